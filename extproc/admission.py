@@ -1,0 +1,163 @@
+"""The asyncio side of admission: one EngineGate per engine, futures for parked requests.
+
+The gates decide; this class only turns their decisions into resolved futures, keeps one timer
+for the earliest park deadline, and updates the metrics. All methods run on the event loop
+thread, so the gates need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import EngineConfig, Settings
+from .gate import Decision, EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket
+from .metrics import Metrics
+from .outcomes import Outcome
+
+log = logging.getLogger("extproc.admission")
+
+#: Extra time Envoy waits beyond the park cap, so the 503 at the cap always beats Envoy's timeout.
+PARK_TIMEOUT_MARGIN_SECONDS = 5.0
+
+
+@dataclass
+class _Engine:
+    config: EngineConfig
+    gate: EngineGate
+    timer: asyncio.TimerHandle | None = None
+
+
+class Admission:
+    def __init__(self, settings: Settings, metrics: Metrics, clock: Callable[[], float] | None = None) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._waiters: dict[Ticket, asyncio.Future[Outcome]] = {}
+        self._engines: dict[str, _Engine] = {}
+        self._closing = False
+        for engine in settings.engines:
+            limits = GateLimits(
+                max_inflight=engine.limits.max_inflight,
+                kv_threshold=engine.limits.kv_threshold,
+                max_queue_depth=engine.limits.max_queue_depth,
+                max_park_seconds=engine.limits.max_park_seconds,
+                stale_after_polls=settings.stale_after_polls,
+                local_accounting=settings.local_accounting,
+                scrape_grace_seconds=settings.scrape_grace_seconds,
+            )
+            self._engines[engine.name] = _Engine(engine, EngineGate(limits))
+            self._publish(engine.name)
+
+    def now(self) -> float:
+        return self._clock() if self._clock else asyncio.get_running_loop().time()
+
+    def gate(self, engine: str) -> EngineGate:
+        return self._engines[engine].gate
+
+    # --- request side ---------------------------------------------------------------------
+
+    def arrive(self, engine: str, model: str) -> Decision:
+        """Register a gated request; PARKED decisions are followed up through `wait`."""
+        now = self.now()
+        ticket = Ticket(model=model, arrived=now)
+        if self._closing:
+            decision = Decision(ticket, Outcome.SHUTTING_DOWN)
+        else:
+            decision = self._engines[engine].gate.arrive(ticket, now)
+        if decision.outcome is Outcome.PARKED:
+            self._waiters[decision.ticket] = asyncio.get_running_loop().create_future()
+            self._metrics.parked.labels(engine, model).inc()
+            self._arm_timer(engine)
+        else:
+            self._record(engine, decision, parked=False)
+        self._publish(engine)
+        return decision
+
+    async def wait(self, engine: str, ticket: Ticket) -> Outcome:
+        """Wait for a parked ticket's outcome. Cancellation means the client went away."""
+        future = self._waiters[ticket]
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                decision = self._engines[engine].gate.abandon(ticket, self.now())
+                self._waiters.pop(ticket, None)
+                if decision is not None:
+                    self._record(engine, decision, parked=True)
+                self._publish(engine)
+            # If it was admitted in the same instant, the caller's `finish` frees the slot.
+            raise
+
+    def finish(self, engine: str, ticket: Ticket) -> None:
+        """An admitted request's HTTP stream ended (completed, failed or client gone)."""
+        self._apply(engine, self._engines[engine].gate.finish(ticket, self.now()))
+
+    # --- engine side ----------------------------------------------------------------------
+
+    def observe(self, engine: str, snapshot: EngineSnapshot) -> None:
+        self._apply(engine, self._engines[engine].gate.observe(snapshot, self.now()))
+
+    def poll_failed(self, engine: str) -> None:
+        gate = self._engines[engine].gate
+        was_stale = gate.state is EngineState.STALE
+        decisions = gate.poll_failed(self.now())
+        if gate.state is EngineState.STALE and not was_stale:
+            self._metrics.stale_total.labels(engine).inc()
+            log.warning("engine state is stale; admission fails open",
+                        extra={"engine": engine, "failed_polls": gate.limits.stale_after_polls})
+        self._apply(engine, decisions)
+
+    def shutdown(self) -> None:
+        """Answer every parked request (503 + Retry-After) so none waits for a dying service."""
+        self._closing = True
+        for name, engine in self._engines.items():
+            self._apply(name, engine.gate.drain(Outcome.SHUTTING_DOWN))
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _apply(self, engine: str, decisions: list[Decision]) -> None:
+        for decision in decisions:
+            future = self._waiters.pop(decision.ticket, None)
+            self._record(engine, decision, parked=True)
+            if future is not None and not future.done():
+                future.set_result(decision.outcome)
+        self._arm_timer(engine)
+        self._publish(engine)
+
+    def _on_timer(self, engine: str) -> None:
+        self._engines[engine].timer = None
+        self._apply(engine, self._engines[engine].gate.expire(self.now()))
+
+    def _arm_timer(self, engine: str) -> None:
+        entry = self._engines[engine]
+        deadline = entry.gate.next_deadline()
+        if entry.timer is not None:
+            if deadline is not None and entry.timer.when() <= deadline:
+                return
+            entry.timer.cancel()
+            entry.timer = None
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            # Timers run on the loop clock; translate if an injected clock is in use.
+            delay = max(0.0, deadline - self.now())
+            entry.timer = loop.call_at(loop.time() + delay, self._on_timer, engine)
+
+    def _record(self, engine: str, decision: Decision, parked: bool) -> None:
+        outcome, ticket = decision.outcome, decision.ticket
+        if outcome.admits:
+            self._metrics.admitted.labels(engine, ticket.model, outcome.value).inc()
+        else:
+            self._metrics.rejected.labels(engine, ticket.model, outcome.value).inc()
+        if parked:
+            waited = max(0.0, self.now() - ticket.arrived)
+            self._metrics.park_duration.labels(engine, outcome.value).observe(waited)
+
+    def _publish(self, engine: str) -> None:
+        gate = self._engines[engine].gate
+        self._metrics.queue_depth.labels(engine).set(gate.queue_depth)
+        self._metrics.inflight.labels(engine).set(gate.inflight)
+        load = gate.effective_load()
+        self._metrics.effective_load.labels(engine).set(load if load is not None else float("nan"))
+        self._metrics.stale.labels(engine).set(1 if gate.state is EngineState.STALE else 0)

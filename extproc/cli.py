@@ -1,0 +1,147 @@
+"""The `extproc` command: serve, print the Envoy config, or check the configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from . import __version__
+from .config import ConfigError, Settings, load_settings
+from .logs import configure
+
+log = logging.getLogger("extproc")
+
+ENVIRONMENT_HELP = """\
+configuration (environment variables, read once at startup; a bad value exits with status 2):
+  ENGINE_URL                     engine base URL when no config file is used  [http://127.0.0.1:8000]
+  ENGINE_METRICS_URL             its metrics URL                              [$ENGINE_URL/metrics]
+  ADMISSION_OBSERVE_MODELS       comma-separated models to gate on that engine; unset = gate nothing
+  EXTPROC_CONFIG                 YAML file mapping engines to models, with per-engine overrides
+  ADMISSION_MAX_INFLIGHT         park while running + waiting >= this          [$VLLM_MAX_NUM_SEQS or 4]
+  VLLM_MAX_NUM_SEQS              the engine's --max-num-seqs (default for the line above)  [4]
+  ADMISSION_KV_THRESHOLD         park while KV cache usage (fraction) >= this  [0.90]
+  VLLM_MAX_QUEUE_DEPTH           parked requests per engine before rejecting at once (503)  [8]
+  ADMISSION_MAX_PARK_SECONDS     longest park before 503 + Retry-After        [120]
+  ADMISSION_RETRY_AFTER_SECONDS  Retry-After on 503 answers                    [5]
+  MAX_BODY_BYTES                 request body cap; larger bodies get 413       [1048576]
+  ENGINE_POLL_INTERVAL_SECONDS   engine /metrics poll interval                 [2]
+  ENGINE_STALE_AFTER_POLLS       failed polls before failing open              [3]
+  ADMISSION_LOCAL_ACCOUNTING     count own admissions/completions between polls  [true]
+  ADMISSION_SCRAPE_GRACE_SECONDS how long after admission a scrape may still miss a request  [0.5]
+  ADMISSION_GATED_PATHS          POST paths subject to admission  [/v1/chat/completions,/v1/completions]
+  EXTPROC_LISTEN                 gRPC ext_proc listen address                  [127.0.0.1:9002]
+  EXTPROC_ADMIN_LISTEN           /metrics /healthz /readyz listen address      [0.0.0.0:9003]
+  EXTPROC_MAX_STREAMS            concurrent ext_proc streams (parked + in flight)  [10000]
+  EXTPROC_LOG_LEVEL              DEBUG, INFO, WARNING or ERROR                 [INFO]
+  EXTPROC_LOG_FORMAT             json or text                                  [json]
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="extproc",
+        description=(
+            "Admission control for LLM inference as an Envoy ext_proc service: admit a request, "
+            "park it in a bounded FIFO, or answer 503 + Retry-After, from the engine's own gauges."
+        ),
+        epilog=ENVIRONMENT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the ext_proc gRPC server and the admin HTTP server",
+                           epilog=ENVIRONMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--grace", type=float, default=10.0,
+                       help="seconds to wait for admitted requests' streams on SIGTERM (default: %(default)s)")
+
+    envoy = sub.add_parser("envoy-config", help="print the Envoy config that matches these settings",
+                           epilog=ENVIRONMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    envoy.add_argument("--listen", default="0.0.0.0:8080", help="Envoy's HTTP listener (default: %(default)s)")
+    envoy.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin listener (default: %(default)s)")
+    envoy.add_argument("--extproc", default=None,
+                       help="where Envoy reaches this service (default: EXTPROC_LISTEN, 0.0.0.0 read as 127.0.0.1)")
+    envoy.add_argument("--failure-mode", choices=("open", "closed"), default="open",
+                       help="when the service is down: open = forward ungated, closed = 503 (default: %(default)s)")
+    envoy.add_argument("--stream-idle-timeout", type=float, default=None,
+                       help="Envoy stream idle timeout in seconds; must exceed the park cap "
+                            "(default: park cap + 600)")
+    envoy.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
+
+    sub.add_parser("check-config", help="validate the configuration, print it as JSON, exit 0 or 2",
+                   epilog=ENVIRONMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser
+
+
+def _hostport(flag: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{flag}={value!r}: must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = os.environ if environ is None else environ
+    command = args.command or "serve"
+    try:
+        settings = load_settings(env)
+    except ConfigError as exc:
+        print(f"extproc: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if command == "check-config":
+        print(json.dumps(settings.summary(), indent=2))
+        return 0
+    if command == "envoy-config":
+        return _envoy_config(args, settings)
+    return _serve(settings, getattr(args, "grace", 10.0))
+
+
+def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
+    from .envoyconf import render_envoy_config
+
+    try:
+        listen = _hostport("--listen", args.listen)
+        admin = _hostport("--admin", args.admin)
+        extproc = _hostport("--extproc", args.extproc) if args.extproc else (None, None)
+        text = render_envoy_config(
+            settings, listen_host=listen[0], listen_port=listen[1], admin_host=admin[0], admin_port=admin[1],
+            extproc_host=extproc[0], extproc_port=extproc[1], failure_mode=args.failure_mode,
+            stream_idle_timeout=args.stream_idle_timeout,
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 2
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    return 0
+
+
+def _serve(settings: Settings, grace: float) -> int:
+    from .server import serve
+
+    configure(settings.log_level, settings.log_format)
+    log.info("effective configuration", extra={"config": settings.summary()})
+    if not settings.gating:
+        log.warning("no models configured (ADMISSION_OBSERVE_MODELS / EXTPROC_CONFIG): every request passes through ungated")
+    for engine in settings.engines:
+        if engine.models:
+            log.info(
+                "admission limits: park while kv_usage >= %.2f or running + waiting >= %d; this must match the "
+                "engine's --max-num-seqs, which no gauge exposes",
+                engine.limits.kv_threshold, engine.limits.max_inflight, extra={"engine": engine.name},
+            )
+    try:
+        asyncio.run(serve(settings, grace))
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0

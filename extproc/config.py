@@ -1,0 +1,306 @@
+"""Settings: read once at startup from an injected environment mapping (and an optional YAML file).
+
+Every variable is validated here; a bad value raises `ConfigError` naming the variable and the
+value, and the CLI turns that into exit status 2. Nothing else in the package reads `os.environ`.
+
+Engines come from one of two places:
+- environment only: one engine called `default` at `ENGINE_URL`, serving the models listed in
+  `ADMISSION_OBSERVE_MODELS` (unset or empty = no model is gated, everything passes through);
+- `EXTPROC_CONFIG=path.yaml`: a list of engines, each with its URL, its models and optional
+  per-engine overrides of the admission limits (see README "Configuration").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import yaml
+
+DEFAULT_GATED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class ConfigError(ValueError):
+    """A setting is missing or has a value the service cannot run with."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The admission limits for one engine (defaults from the environment, overridable per engine)."""
+
+    max_inflight: int
+    kv_threshold: float
+    max_queue_depth: int
+    max_park_seconds: float
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str
+    url: str  # base URL, e.g. http://127.0.0.1:8000
+    metrics_url: str
+    upstream_host: str
+    upstream_port: int
+    models: tuple[str, ...]
+    limits: EngineLimits
+
+    @property
+    def cluster(self) -> str:
+        """The Envoy cluster name that carries this engine's traffic."""
+        return f"engine_{self.name}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    grpc_host: str
+    grpc_port: int
+    admin_host: str
+    admin_port: int
+    max_body_bytes: int
+    poll_interval: float
+    stale_after_polls: int
+    retry_after_seconds: int
+    scrape_grace_seconds: float
+    local_accounting: bool
+    gated_paths: tuple[str, ...]
+    engines: tuple[EngineConfig, ...]
+    max_streams: int
+    log_level: str
+    log_format: str
+    config_file: str | None = None
+    model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        table = {model: engine for engine in self.engines for model in engine.models}
+        object.__setattr__(self, "model_to_engine", table)
+
+    @property
+    def gating(self) -> bool:
+        """False when no model is configured: every request passes through ungated."""
+        return bool(self.model_to_engine)
+
+    @property
+    def max_park_seconds(self) -> float:
+        """The longest park any engine allows; Envoy's timeouts are sized from it."""
+        return max((e.limits.max_park_seconds for e in self.engines), default=0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """The effective configuration, for the startup log line and `extproc check-config`."""
+        return {
+            "grpc_listen": f"{self.grpc_host}:{self.grpc_port}",
+            "admin_listen": f"{self.admin_host}:{self.admin_port}",
+            "max_body_bytes": self.max_body_bytes,
+            "poll_interval_s": self.poll_interval,
+            "stale_after_polls": self.stale_after_polls,
+            "retry_after_s": self.retry_after_seconds,
+            "scrape_grace_s": self.scrape_grace_seconds,
+            "local_accounting": self.local_accounting,
+            "gated_paths": list(self.gated_paths),
+            "gating": self.gating,
+            "config_file": self.config_file,
+            "engines": [
+                {
+                    "name": e.name,
+                    "metrics_url": e.metrics_url,
+                    "upstream": f"{e.upstream_host}:{e.upstream_port}",
+                    "models": list(e.models),
+                    "max_inflight": e.limits.max_inflight,
+                    "kv_threshold": e.limits.kv_threshold,
+                    "max_queue_depth": e.limits.max_queue_depth,
+                    "max_park_seconds": e.limits.max_park_seconds,
+                }
+                for e in self.engines
+            ],
+        }
+
+
+# --- typed readers -----------------------------------------------------------------------------
+
+
+def _cast(name: str, raw: object, kind: Callable[[str], Any], what: str) -> Any:
+    try:
+        value = kind(str(raw).strip())
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={raw!r}: must be {what}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r}: must be {what}")
+    return value
+
+
+def _int(name: str, raw: object, minimum: int) -> int:
+    value = _cast(name, raw, int, f"an integer >= {minimum}")
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r}: must be an integer >= {minimum}")
+    return value
+
+
+def _float(name: str, raw: object, low: float, high: float | None = None, low_open: bool = False) -> float:
+    bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+    value = _cast(name, raw, float, f"a number {bound}")
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        raise ConfigError(f"{name}={raw!r}: must be a number {bound}")
+    return value
+
+
+def _bool(name: str, raw: object) -> bool:
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: must be true or false")
+
+
+def _listen(name: str, raw: str) -> tuple[str, int]:
+    host, sep, port = raw.rpartition(":")
+    if not sep:
+        raise ConfigError(f"{name}={raw!r}: must be HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", _int(name, port, 0)
+
+
+def _csv(raw: str | None) -> tuple[str, ...]:
+    return tuple(item.strip() for item in (raw or "").split(",") if item.strip())
+
+
+def _engine_url(name: str, raw: str) -> tuple[str, str, int]:
+    parts = urlsplit(str(raw).strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{name}={raw!r}: must be an http(s) URL such as http://127.0.0.1:8000")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: has an invalid port") from None
+    return str(raw).strip().rstrip("/"), parts.hostname, port
+
+
+_ENGINE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,40}[a-z0-9])?$")
+_ENGINE_KEYS = {"name", "url", "metrics_url", "models", "max_inflight", "kv_threshold", "max_queue_depth", "max_park_seconds"}
+
+
+def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | None) -> EngineLimits:
+    """Limits from env (`defaults is None`) or from one YAML engine entry overriding `defaults`."""
+
+    def pick(key: str, env: str) -> tuple[str, Any] | None:
+        if defaults is None:
+            return (env, source[env]) if source.get(env) not in (None, "") else None
+        return (f"{prefix}.{key}", source[key]) if key in source else None
+
+    d = defaults
+    got = pick("max_inflight", "ADMISSION_MAX_INFLIGHT")
+    if got is None and d is None:
+        got = ("VLLM_MAX_NUM_SEQS", source.get("VLLM_MAX_NUM_SEQS") or 4)
+    max_inflight = _int(*got, 1) if got else d.max_inflight  # type: ignore[union-attr]
+    got = pick("kv_threshold", "ADMISSION_KV_THRESHOLD")
+    kv = _float(*got, 0.0, 1.0, low_open=True) if got else (d.kv_threshold if d else 0.90)
+    got = pick("max_queue_depth", "VLLM_MAX_QUEUE_DEPTH")
+    depth = _int(*got, 0) if got else (d.max_queue_depth if d else 8)
+    got = pick("max_park_seconds", "ADMISSION_MAX_PARK_SECONDS")
+    park = _float(*got, 0.0, 3600.0, low_open=True) if got else (d.max_park_seconds if d else 120.0)
+    return EngineLimits(max_inflight=max_inflight, kv_threshold=kv, max_queue_depth=depth, max_park_seconds=park)
+
+
+def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits) -> tuple[EngineConfig, ...]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"EXTPROC_CONFIG={path!r}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"EXTPROC_CONFIG={path!r}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("engines"), list) or not doc["engines"]:
+        raise ConfigError(f"EXTPROC_CONFIG={path!r}: must be a mapping with a non-empty list `engines`")
+    unknown_top = set(doc) - {"engines"}
+    if unknown_top:
+        raise ConfigError(f"EXTPROC_CONFIG={path!r}: unknown top-level keys {sorted(unknown_top)}")
+    engines: list[EngineConfig] = []
+    for index, entry in enumerate(doc["engines"]):
+        where = f"engines[{index}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: must be a mapping")
+        unknown = set(entry) - _ENGINE_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_ENGINE_KEYS)}")
+        name = str(entry.get("name", ""))
+        if not _ENGINE_NAME.match(name):
+            raise ConfigError(f"{where}.name={entry.get('name')!r}: must be lowercase letters, digits, '-' or '_'")
+        where = f"engines[{name}]"
+        if "url" not in entry:
+            raise ConfigError(f"{where}.url: missing (e.g. http://vllm:8000)")
+        url, host, port = _engine_url(f"{where}.url", entry["url"])
+        metrics_url = _engine_url(f"{where}.metrics_url", entry["metrics_url"])[0] if "metrics_url" in entry else f"{url}/metrics"
+        models = entry.get("models")
+        if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
+            raise ConfigError(f"{where}.models={models!r}: must be a non-empty list of model names")
+        limits = _limits(where, entry, defaults)
+        engines.append(EngineConfig(name, url, metrics_url, host, port, tuple(models), limits))
+    return tuple(engines)
+
+
+def load_settings(env: Mapping[str, str]) -> Settings:
+    """Build and validate the settings from an environment mapping."""
+    defaults = _limits("", env, None)
+    config_file = env.get("EXTPROC_CONFIG") or None
+    observe = _csv(env.get("ADMISSION_OBSERVE_MODELS"))
+    if config_file:
+        if observe:
+            raise ConfigError(
+                "ADMISSION_OBSERVE_MODELS and EXTPROC_CONFIG are both set: list the models in the "
+                "config file's engines[].models instead"
+            )
+        engines = _engines_from_yaml(config_file, env, defaults)
+    else:
+        url, host, port = _engine_url("ENGINE_URL", env.get("ENGINE_URL") or "http://127.0.0.1:8000")
+        metrics_url = env.get("ENGINE_METRICS_URL") or f"{url}/metrics"
+        _engine_url("ENGINE_METRICS_URL", metrics_url)
+        engines = (EngineConfig("default", url, metrics_url, host, port, observe, defaults),)
+    names = [e.name for e in engines]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"EXTPROC_CONFIG={config_file!r}: engine names must be unique, got {names}")
+    seen: dict[str, str] = {}
+    for engine in engines:
+        for model in engine.models:
+            if model in seen:
+                raise ConfigError(
+                    f"model {model!r} is listed for engines {seen[model]!r} and {engine.name!r}: "
+                    "each model must map to exactly one engine"
+                )
+            seen[model] = engine.name
+
+    grpc_host, grpc_port = _listen("EXTPROC_LISTEN", env.get("EXTPROC_LISTEN") or "127.0.0.1:9002")
+    admin_host, admin_port = _listen("EXTPROC_ADMIN_LISTEN", env.get("EXTPROC_ADMIN_LISTEN") or "0.0.0.0:9003")
+    gated = _csv(env.get("ADMISSION_GATED_PATHS")) if env.get("ADMISSION_GATED_PATHS") is not None else DEFAULT_GATED_PATHS
+    for path in gated:
+        if not path.startswith("/"):
+            raise ConfigError(f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: every path must start with '/'")
+    log_level = (env.get("EXTPROC_LOG_LEVEL") or "INFO").upper()
+    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"EXTPROC_LOG_LEVEL={env.get('EXTPROC_LOG_LEVEL')!r}: must be DEBUG, INFO, WARNING or ERROR")
+    log_format = (env.get("EXTPROC_LOG_FORMAT") or "json").lower()
+    if log_format not in ("json", "text"):
+        raise ConfigError(f"EXTPROC_LOG_FORMAT={env.get('EXTPROC_LOG_FORMAT')!r}: must be json or text")
+
+    def opt(name: str, default: str) -> str:
+        return env.get(name) or default
+
+    return Settings(
+        grpc_host=grpc_host,
+        grpc_port=grpc_port,
+        admin_host=admin_host,
+        admin_port=admin_port,
+        max_body_bytes=_int("MAX_BODY_BYTES", opt("MAX_BODY_BYTES", "1048576"), 1024),
+        poll_interval=_float("ENGINE_POLL_INTERVAL_SECONDS", opt("ENGINE_POLL_INTERVAL_SECONDS", "2"), 0.0, 300.0, low_open=True),
+        stale_after_polls=_int("ENGINE_STALE_AFTER_POLLS", opt("ENGINE_STALE_AFTER_POLLS", "3"), 1),
+        retry_after_seconds=_int("ADMISSION_RETRY_AFTER_SECONDS", opt("ADMISSION_RETRY_AFTER_SECONDS", "5"), 1),
+        scrape_grace_seconds=_float("ADMISSION_SCRAPE_GRACE_SECONDS", opt("ADMISSION_SCRAPE_GRACE_SECONDS", "0.5"), 0.0, 60.0),
+        local_accounting=_bool("ADMISSION_LOCAL_ACCOUNTING", opt("ADMISSION_LOCAL_ACCOUNTING", "true")),
+        gated_paths=gated,
+        engines=engines,
+        max_streams=_int("EXTPROC_MAX_STREAMS", opt("EXTPROC_MAX_STREAMS", "10000"), 16),
+        log_level=log_level,
+        log_format=log_format,
+        config_file=config_file,
+    )

@@ -1,0 +1,335 @@
+"""Run the whole local stack: engine simulator (or a real engine), the admission service, Envoy.
+
+`python -m extproc.devstack` is what `make run` starts; the integration tests drive the same
+`LocalStack` class, so the stack they test is the stack a developer runs. Each process is a real
+child process on loopback; `stop()` terminates them in reverse order and always reaps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import load_settings
+from .envoyconf import render_envoy_config
+
+SIM_MODEL = "sim-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    """A console script from this interpreter's environment (the venv), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found next to {sys.executable} or on PATH")
+    return found
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN001, ANN201
+    """Poll `check()` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (OSError, ValueError) as exc:
+            last_error = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path | None
+    process: subprocess.Popen[bytes] | None = None
+    _log: object = None
+
+    def start(self) -> None:
+        if self.log_path is not None:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115
+            out = self._log
+        else:
+            out = None
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        proc = self.process
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+            self._log = None
+        self.process = None
+        return proc.returncode
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.stop()
+
+    def log_tail(self, lines: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class LocalStack:
+    """Simulator + extproc + Envoy on free loopback ports (or fixed ones for `make run`)."""
+
+    workdir: Path
+    engine_url: str | None = None  # a real engine; None = start the simulator
+    sim_args: Sequence[str] = ()
+    extproc_env: Mapping[str, str] = field(default_factory=dict)
+    envoy_args: Mapping[str, object] = field(default_factory=dict)  # extra build_envoy_config kwargs
+    envoy_port: int = 0
+    envoy_admin_port: int = 0
+    grpc_port: int = 0
+    admin_port: int = 0
+    sim_port: int = 0
+    log_to_files: bool = True
+    with_extproc: bool = True  # False: Envoy straight to the engine, no ext_proc filter
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for name in ("envoy_port", "envoy_admin_port", "grpc_port", "admin_port", "sim_port"):
+            if not getattr(self, name):
+                setattr(self, name, free_port())
+        self.sim: Child | None = None
+        self.extproc: Child | None = None
+        self.envoy: Child | None = None
+
+    # --- addresses ------------------------------------------------------------------------
+
+    @property
+    def engine_base(self) -> str:
+        return self.engine_url or f"http://127.0.0.1:{self.sim_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_admin_port}"
+
+    def _log(self, name: str) -> Path | None:
+        return self.workdir / f"{name}.log" if self.log_to_files else None
+
+    def service_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ADMISSION_", "EXTPROC_", "ENGINE_", "VLLM_"))}
+        env.update(
+            {
+                "ENGINE_URL": self.engine_base,
+                "EXTPROC_LISTEN": f"127.0.0.1:{self.grpc_port}",
+                "EXTPROC_ADMIN_LISTEN": f"127.0.0.1:{self.admin_port}",
+                "EXTPROC_LOG_FORMAT": "json",
+            }
+        )
+        env.update(self.extproc_env)
+        return env
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> LocalStack:
+        try:
+            if self.engine_url is None:
+                self.start_sim(timeout)
+            if self.with_extproc:
+                self.start_extproc(timeout)
+            self.start_envoy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_sim(self, timeout: float = 30.0) -> None:
+        argv = [_bin("enginesim"), "--host", "127.0.0.1", "--port", str(self.sim_port), "--model", SIM_MODEL, *self.sim_args]
+        self.sim = Child("enginesim", argv, dict(os.environ), self._log("enginesim"))
+        self.sim.start()
+        self._wait_http(self.sim, f"{self.engine_base}/health", timeout)
+
+    def start_extproc(self, timeout: float = 30.0) -> None:
+        self.extproc = Child("extproc", [_bin("extproc"), "serve", "--grace", "5"], self.service_env(), self._log("extproc"))
+        self.extproc.start()
+        self._wait_http(self.extproc, f"{self.admin_url}/readyz", timeout)
+
+    def write_envoy_config(self) -> Path:
+        settings = load_settings(self.service_env())
+        kwargs = {
+            "listen_host": "127.0.0.1", "listen_port": self.envoy_port,
+            "admin_host": "127.0.0.1", "admin_port": self.envoy_admin_port,
+            "extproc_host": "127.0.0.1", "extproc_port": self.grpc_port, **self.envoy_args,
+        }
+        text = render_envoy_config(settings, **kwargs)  # type: ignore[arg-type]
+        if not self.with_extproc:
+            import yaml
+
+            doc = yaml.safe_load(text)
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+            text = yaml.safe_dump(doc, sort_keys=False)
+        path = self.workdir / "envoy.yaml"
+        path.write_text(text)
+        return path
+
+    def start_envoy(self, timeout: float = 30.0) -> None:
+        path = self.write_envoy_config()
+        argv = [
+            _bin("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
+            "--log-level", "warn", "--drain-time-s", "1",
+        ]
+        self.envoy = Child("envoy", argv, dict(os.environ), self._log("envoy"))
+        self.envoy.start()
+        self._wait_http(self.envoy, f"{self.envoy_admin_url}/ready", timeout)
+
+    def stop(self) -> None:
+        for child in (self.envoy, self.extproc, self.sim):
+            if child is not None:
+                child.stop()
+
+    def logs(self) -> str:
+        parts = []
+        for child in (self.sim, self.extproc, self.envoy):
+            if child is not None:
+                parts.append(f"----- {child.name} -----\n{child.log_tail()}")
+        return "\n".join(parts)
+
+    def _wait_http(self, child: Child, url: str, timeout: float) -> None:
+        def ready() -> bool:
+            if not child.alive():
+                raise RuntimeError(f"{child.name} exited with {child.process.returncode if child.process else '?'}:\n{child.log_tail()}")
+            return http_get(url, timeout=1.0)[0] == 200
+
+        try:
+            wait_until(ready, timeout, f"{child.name} at {url}")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{child.log_tail()}") from None
+
+
+def _discover_models(engine_url: str) -> list[str]:
+    """The served model names of a real engine, from its /v1/models (empty if unreachable)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        status, body = http_get(f"{engine_url.rstrip('/')}/v1/models", timeout=5.0)
+        if status == 200:
+            return [m["id"] for m in json.loads(body)["data"]]
+    return []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m extproc.devstack",
+        description="Run simulator (or ENGINE_URL) + extproc + Envoy in the foreground; Ctrl-C stops all three.",
+    )
+    parser.add_argument("--port", type=int, default=8080, help="Envoy listener port (default: %(default)s)")
+    parser.add_argument("--workdir", default="run", help="where configs are written (default: %(default)s)")
+    args = parser.parse_args(argv)
+
+    engine_url = os.environ.get("ENGINE_URL") or None
+    extproc_env: dict[str, str] = {"EXTPROC_LOG_FORMAT": os.environ.get("EXTPROC_LOG_FORMAT", "text")}
+    for key, value in os.environ.items():
+        if key.startswith(("ADMISSION_", "EXTPROC_", "VLLM_", "MAX_BODY", "ENGINE_POLL", "ENGINE_STALE")):
+            extproc_env[key] = value
+    model = SIM_MODEL
+    if engine_url is None:
+        extproc_env.setdefault("ADMISSION_OBSERVE_MODELS", SIM_MODEL)
+    elif "ADMISSION_OBSERVE_MODELS" not in extproc_env and "EXTPROC_CONFIG" not in extproc_env:
+        models = _discover_models(engine_url)
+        if models:
+            extproc_env["ADMISSION_OBSERVE_MODELS"] = ",".join(models)
+            print(f"devstack: gating the engine's models: {', '.join(models)}", flush=True)
+        else:
+            print(f"devstack: could not list models at {engine_url}/v1/models; admission is OFF "
+                  "(set ADMISSION_OBSERVE_MODELS)", flush=True)
+    model = extproc_env.get("ADMISSION_OBSERVE_MODELS", model).split(",")[0]
+
+    stack = LocalStack(
+        workdir=Path(args.workdir), engine_url=engine_url, extproc_env=extproc_env,
+        envoy_port=args.port, envoy_admin_port=9901, grpc_port=9002, admin_port=9003,
+        sim_port=8000, log_to_files=False,
+    )
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        print(
+            "\n"
+            f"  Envoy (send requests here):  {stack.url}\n"
+            f"  admission metrics / state:   {stack.admin_url}/metrics   {stack.admin_url}/debug/engines\n"
+            f"  engine:                      {stack.engine_base}\n\n"
+            "  Try:\n"
+            f"    curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+            f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 8}}'\n\n"
+            "  Ctrl-C stops all three.\n",
+            flush=True,
+        )
+        while not stop:
+            for child in (stack.sim, stack.extproc, stack.envoy):
+                if child is not None and not child.alive():
+                    print(f"devstack: {child.name} exited with {child.process.returncode}; stopping", file=sys.stderr)  # type: ignore[union-attr]
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("devstack: stopping", flush=True)
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

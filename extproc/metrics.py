@@ -1,0 +1,66 @@
+"""The service's own Prometheus series, all on an injected registry (no module-level globals).
+
+Names follow the reference design (no prefix): `admission_parked_total`,
+`admission_rejected_total{reason}`, `engine_state_stale_total`, `vllm_requests_running`,
+`vllm_kv_usage_perc`, `observer_degraded`; the rest are what an operator needs to see every
+decision. Engine-level series carry `engine`; request-level series carry `engine` and `model`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_PARK_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 300)
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        # Decisions.
+        self.admitted = Counter(
+            "admission_admitted", "Requests sent to the engine, by how they were admitted.",
+            ["engine", "model", "via"], registry=r)
+        self.parked = Counter(
+            "admission_parked", "Requests that had to wait in the park.", ["engine", "model"], registry=r)
+        self.rejected = Counter(
+            "admission_rejected", "Requests answered by the gateway and never sent to the engine, by reason.",
+            ["engine", "model", "reason"], registry=r)
+        self.passthrough = Counter(
+            "admission_passthrough", "Requests not subject to admission (path not gated, or no models configured).",
+            ["reason"], registry=r)
+        self.park_duration = Histogram(
+            "admission_park_duration_seconds", "Time spent parked, by how the park ended.",
+            ["engine", "outcome"], buckets=_PARK_BUCKETS, registry=r)
+        self.decision_latency = Histogram(
+            "admission_decision_latency_seconds",
+            "Service time to answer Envoy's body message, excluding time parked.",
+            ["engine", "outcome"], buckets=_DECISION_BUCKETS, registry=r)
+        self.queue_depth = Gauge("admission_queue_depth", "Requests parked now.", ["engine"], registry=r)
+        self.inflight = Gauge(
+            "admission_inflight", "Requests this replica admitted whose HTTP stream is still open.",
+            ["engine"], registry=r)
+        self.effective_load = Gauge(
+            "admission_effective_load",
+            "running + waiting as the gate sees it: last scrape corrected by local admissions and completions.",
+            ["engine"], registry=r)
+        # Engine observation.
+        self.running = Gauge("vllm_requests_running", "The engine's running requests at the last good poll.", ["engine"], registry=r)
+        self.waiting = Gauge("vllm_requests_waiting", "The engine's waiting requests at the last good poll.", ["engine"], registry=r)
+        self.kv_usage = Gauge("vllm_kv_usage_perc", "The engine's KV cache usage (fraction 0..1) at the last good poll.", ["engine"], registry=r)
+        self.kv_capacity = Gauge(
+            "vllm_kv_capacity_tokens", "KV cache capacity in tokens from vllm:cache_config_info (0 = unknown).",
+            ["engine"], registry=r)
+        self.degraded = Gauge(
+            "observer_degraded", "1 while the engine's metrics cannot be parsed into the three required gauges.",
+            ["engine"], registry=r)
+        self.stale = Gauge("engine_state_is_stale", "1 while the engine state is stale and admission fails open.", ["engine"], registry=r)
+        self.stale_total = Counter(
+            "engine_state_stale", "Transitions into stale engine state (fail-open).", ["engine"], registry=r)
+        self.poll_failures = Counter(
+            "engine_poll_failures", "Failed polls of the engine's /metrics, by reason.", ["engine", "reason"], registry=r)
+        self.poll_duration = Histogram(
+            "engine_poll_duration_seconds", "Time to fetch and parse the engine's /metrics.", ["engine"], registry=r)
+        self.internal_errors = Counter(
+            "extproc_internal_errors", "Requests admitted because the service hit an unexpected error.", registry=r)

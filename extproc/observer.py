@@ -1,0 +1,154 @@
+"""Poll each engine's /metrics and feed the gates.
+
+One shared aiohttp session; one task per engine, polling on a fixed schedule. A poll that does
+not answer within the poll interval counts as failed, so a hung engine goes stale after
+`stale_after_polls` intervals just like an unreachable one. Plain text is requested (no
+OpenMetrics Accept header), as vLLM serves it.
+
+`observer_degraded` follows parsability: the first poll must yield all three gauges or the
+service logs ERROR and sets it to 1; afterwards it is 1 exactly while fetched documents do not
+parse. A fetch failure (engine down) leaves it as it was after the first poll: that is staleness,
+not a format problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from .admission import Admission
+from .config import EngineConfig, Settings
+from .enginemetrics import EngineGauges, MetricsFormatError, parse_engine_metrics
+from .gate import EngineSnapshot
+from .metrics import Metrics
+
+log = logging.getLogger("extproc.observer")
+
+
+class EngineObserver:
+    def __init__(self, settings: Settings, admission: Admission, metrics: Metrics) -> None:
+        self._settings = settings
+        self._admission = admission
+        self._metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._first_done: dict[str, asyncio.Event] = {}
+        self._polls: dict[str, int] = {}
+        self._degraded: dict[str, bool] = {}
+        self._engines = [e for e in settings.engines if e.models]
+
+    async def start(self) -> None:
+        """Start polling; returns once every engine's first poll has finished (either way)."""
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self._settings.poll_interval),
+            headers={"Accept": "text/plain"},
+        )
+        for engine in self._engines:
+            self._first_done[engine.name] = asyncio.Event()
+            self._polls[engine.name] = 0
+            self._tasks.append(asyncio.create_task(self._run(engine), name=f"observer:{engine.name}"))
+        if self._first_done:
+            await asyncio.gather(*(e.wait() for e in self._first_done.values()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def poll_count(self, engine: str) -> int:
+        return self._polls.get(engine, 0)
+
+    async def _run(self, engine: EngineConfig) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self._settings.poll_interval
+        next_at = loop.time()
+        while True:
+            await self.poll_once(engine)
+            self._first_done[engine.name].set()
+            next_at += interval
+            now = loop.time()
+            if next_at < now:  # fell behind (slow poll): keep the cadence, skip the missed ticks
+                next_at = now + interval - ((now - next_at) % interval)
+            await asyncio.sleep(next_at - now)
+
+    async def poll_once(self, engine: EngineConfig) -> None:
+        assert self._session is not None
+        first = self._polls[engine.name] == 0
+        self._polls[engine.name] += 1
+        started = self._admission.now()
+        t0 = time.perf_counter()
+        try:
+            async with self._session.get(engine.metrics_url) as response:
+                if response.status != 200:
+                    raise _PollError("http_status", f"HTTP {response.status}")
+                text = await response.text(errors="replace")
+        except _PollError as exc:
+            return self._failed(engine, exc.reason, exc.detail, first)
+        except asyncio.TimeoutError:
+            return self._failed(engine, "timeout", f"no answer within {self._settings.poll_interval}s", first)
+        except aiohttp.ClientError as exc:
+            return self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)
+        try:
+            gauges = parse_engine_metrics(text)
+        except MetricsFormatError as exc:
+            self._set_degraded(engine, True, str(exc), first)
+            return self._failed(engine, "unparsable", str(exc), first, degraded_logged=True)
+        finally:
+            self._metrics.poll_duration.labels(engine.name).observe(time.perf_counter() - t0)
+        self._set_degraded(engine, False, "", first)
+        self._succeeded(engine, gauges, started)
+
+    def _succeeded(self, engine: EngineConfig, gauges: EngineGauges, started: float) -> None:
+        m = self._metrics
+        m.running.labels(engine.name).set(gauges.running)
+        m.waiting.labels(engine.name).set(gauges.waiting)
+        m.kv_usage.labels(engine.name).set(gauges.kv_usage)
+        m.kv_capacity.labels(engine.name).set(gauges.capacity_tokens or 0)
+        snapshot = EngineSnapshot(
+            running=gauges.running,
+            waiting=gauges.waiting,
+            kv_usage=gauges.kv_usage,
+            scrape_started=started,
+            capacity_tokens=gauges.capacity_tokens,
+        )
+        was_stale = self._admission.gate(engine.name).state.value == "stale"
+        self._admission.observe(engine.name, snapshot)
+        if was_stale:
+            log.info("engine state is fresh again", extra={"engine": engine.name})
+
+    def _failed(self, engine: EngineConfig, reason: str, detail: str, first: bool, degraded_logged: bool = False) -> None:
+        self._metrics.poll_failures.labels(engine.name, reason).inc()
+        if first and not degraded_logged:
+            self._set_degraded(engine, True, f"{reason}: {detail}", first)
+        log.debug("poll failed", extra={"engine": engine.name, "reason": reason, "detail": detail})
+        self._admission.poll_failed(engine.name)
+
+    def _set_degraded(self, engine: EngineConfig, degraded: bool, detail: str, first: bool) -> None:
+        before = self._degraded.get(engine.name)
+        self._degraded[engine.name] = degraded
+        self._metrics.degraded.labels(engine.name).set(1 if degraded else 0)
+        if degraded and first:
+            log.error(
+                "first poll of the engine's metrics did not yield running, waiting and KV usage; "
+                "observer is degraded and admission fails open until it does",
+                extra={"engine": engine.name, "metrics_url": engine.metrics_url, "detail": detail},
+            )
+        elif degraded and before is False:
+            log.error("engine metrics became unparsable; observer degraded",
+                      extra={"engine": engine.name, "detail": detail})
+        elif not degraded and before:
+            log.info("engine metrics parse again; observer no longer degraded", extra={"engine": engine.name})
+
+
+class _PollError(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail

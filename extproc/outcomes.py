@@ -1,0 +1,75 @@
+"""The one list of things that can happen to a request, and what each means at the HTTP edge.
+
+Every decision the service makes ends in exactly one `Outcome`. The enum value doubles as the
+metric label (`admission_rejected_total{reason=...}`, `admission_admitted_total{via=...}`) and
+the `x-admission-outcome` response header, so logs, metrics and client-visible answers agree.
+`REJECTIONS` maps each rejecting outcome to its HTTP status and OpenAI-style error fields; the
+servicer turns that row into an Envoy ImmediateResponse and nothing else invents statuses.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+
+class Outcome(enum.StrEnum):
+    # The request goes upstream.
+    ADMITTED = "admitted"  # gate open on arrival
+    ADMITTED_AFTER_PARK = "admitted_after_park"  # waited in the park, then capacity freed
+    ADMITTED_FAIL_OPEN = "admitted_fail_open"  # engine state unknown or stale: admit, count it
+    PASSED_THROUGH = "passed_through"  # path or model not gated: no admission decision at all
+    # The request is held; one of the outcomes above or below follows.
+    PARKED = "parked"
+    # The request is answered by the service and never reaches the engine.
+    QUEUE_FULL = "queue_full"
+    PARK_TIMEOUT = "park_timeout"
+    SHUTTING_DOWN = "shutting_down"
+    BODY_TOO_LARGE = "body_too_large"
+    INVALID_BODY = "invalid_body"
+    MISSING_MODEL = "missing_model"
+    UNKNOWN_MODEL = "unknown_model"
+    DUPLICATE_MODEL = "duplicate_model"
+    # The client went away while parked: nothing to answer, nothing admitted.
+    CLIENT_GONE = "client_gone"
+
+    @property
+    def admits(self) -> bool:
+        return self in _ADMITTING
+
+
+_ADMITTING = frozenset(
+    {Outcome.ADMITTED, Outcome.ADMITTED_AFTER_PARK, Outcome.ADMITTED_FAIL_OPEN, Outcome.PASSED_THROUGH}
+)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """How a rejecting outcome is shown to the client."""
+
+    status: int
+    error_type: str
+    retry_after: bool  # whether the answer carries Retry-After (the client should try again)
+
+
+REJECTIONS: dict[Outcome, Rejection] = {
+    Outcome.QUEUE_FULL: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.PARK_TIMEOUT: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.SHUTTING_DOWN: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.BODY_TOO_LARGE: Rejection(413, "invalid_request_error", retry_after=False),
+    Outcome.INVALID_BODY: Rejection(400, "invalid_request_error", retry_after=False),
+    Outcome.MISSING_MODEL: Rejection(400, "invalid_request_error", retry_after=False),
+    Outcome.UNKNOWN_MODEL: Rejection(404, "not_found_error", retry_after=False),
+    Outcome.DUPLICATE_MODEL: Rejection(400, "invalid_request_error", retry_after=False),
+}
+
+#: Outcomes counted in `admission_rejected_total{reason}`.
+REJECTED_REASONS: tuple[Outcome, ...] = (*REJECTIONS, Outcome.CLIENT_GONE)
+
+
+def error_body(outcome: Outcome, message: str) -> bytes:
+    """The OpenAI-style JSON error document for a rejecting outcome."""
+    row = REJECTIONS[outcome]
+    doc = {"error": {"message": message, "type": row.error_type, "code": outcome.value}}
+    return json.dumps(doc, separators=(",", ":")).encode()

@@ -1,0 +1,103 @@
+"""Wiring: one process, one event loop, the gRPC ext_proc server and the admin HTTP server.
+
+Start order: metrics → first engine poll (bounded by the poll interval, so a dead engine only
+delays startup by one interval) → gRPC server → admin server (ready). Stop order on SIGTERM:
+not ready → gRPC health NOT_SERVING → parked requests answered 503 + Retry-After → gRPC server
+stops taking streams and waits up to the grace period for admitted streams to end → observer
+and admin server stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
+
+from .adminhttp import make_app
+from .admission import Admission
+from .config import Settings
+from .metrics import Metrics
+from .observer import EngineObserver
+from .servicer import ExternalProcessor
+
+log = logging.getLogger("extproc.server")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+class Service:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics(registry or CollectorRegistry())
+        self.admission = Admission(settings, self.metrics)
+        self.observer = EngineObserver(settings, self.admission, self.metrics)
+        self._grpc: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._admin: web.AppRunner | None = None
+        self._ready = False
+        self.grpc_port = settings.grpc_port
+        self.admin_port = settings.admin_port
+
+    async def start(self) -> None:
+        s = self.settings
+        if s.gating:
+            await self.observer.start()
+        self._grpc = grpc.aio.server(
+            maximum_concurrent_rpcs=s.max_streams,
+            options=[
+                ("grpc.max_receive_message_length", s.max_body_bytes + 64 * 1024),
+                ("grpc.max_concurrent_streams", s.max_streams),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(s, self.admission, self.metrics), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{_bracket(s.grpc_host)}:{s.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen on {s.grpc_host}:{s.grpc_port} (EXTPROC_LISTEN)")
+        await self._grpc.start()
+        for name in ("", EXT_PROC_SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+        self._admin = web.AppRunner(make_app(s, self.metrics, self.admission, lambda: self._ready), access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, s.admin_host, s.admin_port)
+        await site.start()
+        self.admin_port = self._admin.addresses[0][1]
+        self._ready = True
+        log.info("serving", extra={"grpc": f"{s.grpc_host}:{self.grpc_port}", "admin": f"{s.admin_host}:{self.admin_port}"})
+
+    async def stop(self, grace: float = 10.0) -> None:
+        self._ready = False
+        await self._health.enter_graceful_shutdown()
+        self.admission.shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        await self.observer.stop()
+        if self._admin is not None:
+            await self._admin.cleanup()
+        log.info("stopped")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def serve(settings: Settings, grace: float) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    service = Service(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    await stop.wait()
+    log.info("signal received; draining", extra={"grace_s": grace})
+    await service.stop(grace)

@@ -1,0 +1,285 @@
+"""The ext_proc gRPC servicer: translates Envoy's per-request stream into admission decisions.
+
+Protocol rules this module relies on (Envoy 1.40, DESIGN.md):
+- One bidirectional stream per HTTP request. Envoy sends `request_headers`, then (body mode
+  BUFFERED_PARTIAL) one `request_body` holding the whole body, or only its first
+  `per_connection_buffer_limit_bytes` with `end_of_stream=false` when it is larger.
+- Each message must be answered within `message_timeout`, unless the answer is preceded by one
+  `override_message_timeout` (<= `max_message_timeout`); that is how a request is parked. Only
+  the first override counts, so a parked request gets exactly one, sized above the park cap.
+- The stream stays open until the HTTP stream ends, even after the last request-phase answer.
+  Its end is the completion signal that frees the request's slot in the local ledger; a stream
+  that ends while parked means the client went away.
+- Rejections are ImmediateResponses (HTTP status + JSON body), never gRPC errors: a gRPC error
+  would hand the request to Envoy's failure mode instead of giving the client an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2
+
+from .admission import PARK_TIMEOUT_MARGIN_SECONDS, Admission
+from .bodyscan import BodyError, scan_body
+from .config import EngineConfig, Settings
+from .gate import Ticket
+from .metrics import Metrics
+from .outcomes import REJECTIONS, Outcome, error_body
+
+log = logging.getLogger("extproc.servicer")
+
+ROUTE_HEADER = "x-admission-engine"
+OUTCOME_HEADER = "x-admission-outcome"
+
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_SKIP_BODY = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE),
+)
+
+
+@dataclass
+class _Stream:
+    """What one ext_proc stream (one HTTP request) has accumulated."""
+
+    request_id: str = "-"
+    path: str = ""
+    engine: EngineConfig | None = None
+    ticket: Ticket | None = None
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.request_id} {self.path} engine={self.engine.name if self.engine else None} {self.ticket}>"
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, settings: Settings, admission: Admission, metrics: Metrics) -> None:
+        self._settings = settings
+        self._admission = admission
+        self._metrics = metrics
+        self._gated_paths = frozenset(settings.gated_paths)
+        self._known_models = ", ".join(sorted(settings.model_to_engine)) or "(none)"
+        self._multi_engine = len(settings.engines) > 1
+        self._admitted_responses = {e.name: self._admitted_response(e) for e in settings.engines}
+
+    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        stream = _Stream()
+        try:
+            await self._process(context, stream)
+        except Exception:
+            # The stream fails with a gRPC error and Envoy's failure mode decides (fail-open by
+            # default); count it so a bug never hides behind fail-open.
+            self._metrics.internal_errors.inc()
+            log.exception("ext_proc stream failed", extra={"request_id": stream.request_id})
+            raise
+        finally:
+            if stream.ticket is not None and stream.engine is not None:
+                self._admission.finish(stream.engine.name, stream.ticket)
+
+    async def _process(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
+        message = await context.read()
+        if message is grpc.aio.EOF:
+            return
+        if not message.HasField("request_headers"):
+            log.warning("stream did not start with request_headers; answering CONTINUE")
+            await self._drain(context, message)
+            return
+        headers = _header_map(message.request_headers)
+        stream.request_id = headers.get("x-request-id", "-")
+        stream.path = headers.get(":path", "").split("?", 1)[0]
+        if headers.get(":method") != "POST" or stream.path not in self._gated_paths:
+            self._metrics.passthrough.labels("path_not_gated").inc()
+            await context.write(_SKIP_BODY)
+            await self._drain(context, None)
+            return
+
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._settings.max_body_bytes:
+            await self._reject(context, stream, Outcome.BODY_TOO_LARGE, self._too_large_message(int(declared)))
+            return
+        if message.request_headers.end_of_stream:
+            await self._reject(context, stream, Outcome.INVALID_BODY, "request body is required")
+            return
+        await context.write(_CONTINUE_HEADERS)
+
+        message = await context.read()
+        if message is grpc.aio.EOF:
+            return
+        if not message.HasField("request_body"):
+            log.warning("expected request_body, got %s; answering CONTINUE", message.WhichOneof("request"))
+            await self._drain(context, message)
+            return
+        started = time.perf_counter()
+        body = message.request_body
+        if not body.end_of_stream or len(body.body) > self._settings.max_body_bytes:
+            await self._reject(context, stream, Outcome.BODY_TOO_LARGE, self._too_large_message(None))
+            return
+        try:
+            facts = scan_body(body.body)
+        except BodyError as exc:
+            await self._reject(context, stream, exc.outcome, exc.message)
+            return
+        if not self._settings.gating:
+            self._metrics.passthrough.labels("no_models_configured").inc()
+            await context.write(_CONTINUE_BODY)
+            await self._drain(context, None)
+            return
+        engine = self._settings.model_to_engine.get(facts.model)
+        if engine is None:
+            await self._reject(
+                context, stream, Outcome.UNKNOWN_MODEL,
+                f"The model `{facts.model}` does not exist. Known models: {self._known_models}",
+            )
+            return
+
+        stream.engine = engine
+        decision = self._admission.arrive(engine.name, facts.model)
+        stream.ticket = decision.ticket
+        outcome = decision.outcome
+        pending_read: asyncio.Future[object] | None = None
+        if outcome is Outcome.PARKED:
+            self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+            log.info("parked", extra={"request_id": stream.request_id, "engine": engine.name, "model": facts.model,
+                                      "queue_depth": self._admission.gate(engine.name).queue_depth})
+            await context.write(self._park_response(engine))
+            outcome, pending_read = await self._wait_parked(context, stream)
+            if outcome is Outcome.CLIENT_GONE:
+                log.info("client gone while parked", extra={"request_id": stream.request_id, "engine": engine.name})
+                return
+            started = time.perf_counter()
+        if outcome.admits:
+            await context.write(self._admitted_responses[engine.name])
+            self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+            log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})
+            await self._drain(context, None, pending_read)
+            return
+        message_text = {
+            Outcome.QUEUE_FULL: f"engine `{engine.name}` is at capacity and its queue is full; retry later",
+            Outcome.PARK_TIMEOUT: (
+                f"engine `{engine.name}` stayed at capacity for {engine.limits.max_park_seconds:g}s; retry later"
+            ),
+            Outcome.SHUTTING_DOWN: "the admission service is shutting down; retry",
+        }.get(outcome, outcome.value)
+        self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+        await self._reject(context, stream, outcome, message_text, counted=True)
+        if pending_read is not None:
+            pending_read.cancel()
+
+    async def _wait_parked(
+        self, context: grpc.aio.ServicerContext, stream: _Stream
+    ) -> tuple[Outcome, asyncio.Future[object] | None]:
+        """Wait for the gate's answer while watching the stream; its end means the client left."""
+        assert stream.engine is not None and stream.ticket is not None
+        waiter = asyncio.ensure_future(self._admission.wait(stream.engine.name, stream.ticket))
+        reader: asyncio.Future[object] = asyncio.ensure_future(context.read())
+        try:
+            while True:
+                await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if waiter.done():
+                    return waiter.result(), reader
+                if reader.exception() is None and reader.result() is not grpc.aio.EOF:
+                    log.warning("unexpected message while parked: %s", reader.result().WhichOneof("request"))  # type: ignore[attr-defined]
+                    reader = asyncio.ensure_future(context.read())
+                    continue
+                return Outcome.CLIENT_GONE, None
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                await asyncio.gather(waiter, return_exceptions=True)
+
+    async def _drain(
+        self, context: grpc.aio.ServicerContext, message: object | None, pending: asyncio.Future[object] | None = None
+    ) -> None:
+        """Answer anything else Envoy sends with CONTINUE until the HTTP stream ends."""
+        while True:
+            if message is not None:
+                await context.write(_continue_for(message))
+            if pending is not None:
+                message, pending = await pending, None
+            else:
+                message = await context.read()
+            if message is grpc.aio.EOF:
+                return
+
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, stream: _Stream, outcome: Outcome, message: str, counted: bool = False
+    ) -> None:
+        row = REJECTIONS[outcome]
+        engine = stream.engine.name if stream.engine else "none"
+        if not counted:  # gate outcomes are counted by Admission; body/validation outcomes here
+            self._metrics.rejected.labels(engine, stream.ticket.model if stream.ticket else "", outcome.value).inc()
+        headers = [_header("content-type", "application/json"), _header(OUTCOME_HEADER, outcome.value)]
+        if row.retry_after:
+            headers.append(_header("retry-after", str(self._settings.retry_after_seconds)))
+        log.info("rejected", extra={"request_id": stream.request_id, "engine": engine, "outcome": outcome.value,
+                                    "status": row.status, "detail": message})
+        await context.write(
+            pb.ProcessingResponse(
+                immediate_response=pb.ImmediateResponse(
+                    status=http_status_pb2.HttpStatus(code=row.status),  # type: ignore[arg-type]
+                    headers=pb.HeaderMutation(set_headers=headers),
+                    body=error_body(outcome, message),
+                    details=f"admission_{outcome.value}",
+                )
+            )
+        )
+
+    def _too_large_message(self, declared: int | None) -> str:
+        size = f" ({declared} bytes)" if declared is not None else ""
+        return f"request body{size} exceeds the limit of {self._settings.max_body_bytes} bytes"
+
+    def _park_response(self, engine: EngineConfig) -> pb.ProcessingResponse:
+        timeout = engine.limits.max_park_seconds + PARK_TIMEOUT_MARGIN_SECONDS
+        seconds = int(timeout)
+        return pb.ProcessingResponse(
+            override_message_timeout=duration_pb2.Duration(seconds=seconds, nanos=int((timeout - seconds) * 1e9))
+        )
+
+    def _admitted_response(self, engine: EngineConfig) -> pb.ProcessingResponse:
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(set_headers=[_header(ROUTE_HEADER, engine.name)]),
+                    clear_route_cache=self._multi_engine,
+                )
+            )
+        )
+
+
+def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _continue_for(message: object) -> pb.ProcessingResponse:
+    kind = message.WhichOneof("request")  # type: ignore[attr-defined]
+    if kind == "request_headers":
+        return _CONTINUE_HEADERS
+    if kind == "request_body":
+        return _CONTINUE_BODY
+    if kind == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    if kind == "response_headers":
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if kind == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
