@@ -1,0 +1,7 @@
+"""``python -m enginesim``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,181 @@
+"""``enginesim`` command line: parse flags, start the server, stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from .config import DP_ROUTING, PRESETS, SimConfig
+from .scheduler import CostModel, SchedulerConfig
+from .server import create_app, create_runner
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+log = logging.getLogger("enginesim")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    small = PRESETS["small"]
+    parser = argparse.ArgumentParser(
+        prog="enginesim",
+        description=(
+            "A vLLM V1 (0.11) engine simulator: OpenAI-compatible API, vllm:* metrics and "
+            "the V1 scheduler (KV blocks, chunked prefill, preemption by recompute), with "
+            "no GPU. Geometry flags left unset take the preset's value."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one")
+    add("--model", default="sim-model", help="served model name (the only accepted `model`)")
+    add("--preset", choices=sorted(PRESETS), default="small",
+        help="engine geometry and cost model: 'small' is tiny and fast for tests; 'reference' "
+             "is the reference engine (9527 blocks x 16, max_num_seqs 4, token budget 2048, "
+             "max_model_len 131072, ~525 tok/s prefill, 30 tok/s decode)")
+    add("--num-gpu-blocks", type=_positive_int, default=None,
+        help=f"KV cache blocks per engine rank, including vLLM's reserved null block "
+             f"(small: {small['num_gpu_blocks']})")
+    add("--block-size", type=_positive_int, default=None,
+        help=f"tokens per KV block (small: {small['block_size']})")
+    add("--max-num-seqs", type=_positive_int, default=None,
+        help=f"most requests RUNNING at once per rank (small: {small['max_num_seqs']})")
+    add("--max-num-batched-tokens", type=_positive_int, default=None,
+        help=f"token budget of one step, chunked prefill (small: "
+             f"{small['max_num_batched_tokens']})")
+    add("--max-model-len", type=_positive_int, default=None,
+        help=f"context length: prompt + max_tokens limit (small: {small['max_model_len']})")
+    add("--step-overhead-s", type=_non_negative_float, default=None,
+        help=f"engine seconds every step costs (small: {small['step_overhead_s']}, reference: "
+             f"{CostModel.step_overhead_s})")
+    add("--per-prefill-token-s", type=_non_negative_float, default=None,
+        help=f"engine seconds per prefill token in a step (small: "
+             f"{small['per_prefill_token_s']}, reference: {CostModel.per_prefill_token_s})")
+    add("--per-decode-seq-s", type=_non_negative_float, default=None,
+        help=f"engine seconds per decoding sequence in a step (small: "
+             f"{small['per_decode_seq_s']}, reference: {CostModel.per_decode_seq_s})")
+    add("--bytes-per-token", type=_positive_float, default=4.0,
+        help="prompt tokens = ceil(UTF-8 bytes of the prompt text / this), at least 1")
+    add("--default-max-tokens", type=_positive_int, default=16,
+        help="output length when a request sets neither max_tokens nor max_completion_tokens")
+    add("--time-scale", type=_positive_float, default=1.0,
+        help="run the engine this many times faster than real time; reported durations stay "
+             "in engine seconds")
+    add("--data-parallel-size", type=_positive_int, default=1,
+        help="number of independent engine ranks (the `engine` label), each with its own KV "
+             "cache and scheduler")
+    add("--dp-routing", choices=DP_ROUTING, default="round-robin",
+        help="how requests are spread over ranks: round-robin, or vLLM's least-loaded "
+             "(lowest waiting*4 + running)")
+    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Merge flags over the preset; raises ValueError naming the bad setting."""
+    preset: dict[str, Any] = dict(PRESETS[args.preset])
+    for key in preset:
+        value = getattr(args, key, None)
+        if value is not None:
+            preset[key] = value
+    cost = CostModel(step_overhead_s=preset["step_overhead_s"],
+                     per_prefill_token_s=preset["per_prefill_token_s"],
+                     per_decode_seq_s=preset["per_decode_seq_s"])
+    scheduler = SchedulerConfig(
+        num_gpu_blocks=preset["num_gpu_blocks"], block_size=preset["block_size"],
+        max_num_seqs=preset["max_num_seqs"],
+        max_num_batched_tokens=preset["max_num_batched_tokens"],
+        max_model_len=preset["max_model_len"], cost=cost)
+    return SimConfig(host=args.host, port=args.port, model=args.model, scheduler=scheduler,
+                     bytes_per_token=args.bytes_per_token,
+                     default_max_tokens=args.default_max_tokens, time_scale=args.time_scale,
+                     data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing)
+
+
+async def serve(config: SimConfig) -> None:
+    """Run until SIGTERM or SIGINT."""
+    app = create_app(config)
+    runner = create_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    print(f"enginesim listening on http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("enginesim stopping")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("enginesim settings: %s", config.describe())
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""The asyncio side of the simulator: engine clock, one step loop per DP rank, routing.
+
+Engine time vs wall time: ``EngineClock`` runs ``time_scale`` times faster than the
+monotonic clock. A busy rank runs its steps back to back in ENGINE time (the next step
+starts exactly where the previous one ended) and sleeps until the wall time at which the
+step would end. It does not sleep for less than ``MIN_SLEEP_S`` (the event loop's timer
+granularity is ~1 ms), so wake-up jitter never stretches engine time; it just lets the
+rank run a little ahead or behind the wall clock for a few steps. An arrival stamped
+later than the rank's own timeline pulls the timeline forward, so queue times are never
+negative. Every reported duration is therefore in unscaled engine seconds.
+
+As in vLLM, new requests wait in an input queue while a step runs and reach the scheduler
+between steps, and the published gauges are a snapshot taken after each step. While the
+engine is held (``/control/hold``) no step runs; arrivals and aborts then reach the
+scheduler and the gauges at once, so a held engine shows its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SimConfig
+from .metrics import EngineMetrics
+from .scheduler import Scheduler, SchedulerStats, TokenOutput
+
+__all__ = ["Engine", "EngineClock", "EngineRank", "RequestHandle"]
+
+log = logging.getLogger("enginesim.engine")
+
+MIN_SLEEP_S = 0.001
+
+
+class EngineClock:
+    """Engine seconds since start: wall (monotonic) seconds times ``time_scale``."""
+
+    def __init__(self, time_scale: float, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.time_scale = time_scale
+        self._monotonic = monotonic
+        self._origin = monotonic()
+
+    def now(self) -> float:
+        return (self._monotonic() - self._origin) * self.time_scale
+
+    def wall_delay_until(self, engine_time: float) -> float:
+        """Wall seconds from now until the clock reads ``engine_time`` (may be negative)."""
+        return (engine_time - self.now()) / self.time_scale
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """The HTTP side's view of one request: a queue of tokens, ended by a sentinel."""
+
+    engine_request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    engine_index: int = 0
+    arrival_time: float = 0.0
+    state: str = "queued"  # queued, waiting, running, finished, aborted
+    preemptions: int = 0
+    tokens: asyncio.Queue[TokenOutput | None] = field(default_factory=asyncio.Queue)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "aborted")
+
+    def __repr__(self) -> str:
+        return (f"RequestHandle({self.engine_request_id!r}, engine={self.engine_index}, "
+                f"{self.state}, prompt={self.prompt_tokens}, max_tokens={self.max_tokens})")
+
+
+class EngineRank:
+    """One DP rank: a scheduler, its input queue and its step loop."""
+
+    def __init__(self, index: int, engine: Engine) -> None:
+        self.index = index
+        self._engine = engine
+        self.scheduler = Scheduler(engine.config.scheduler)
+        self._pending: list[RequestHandle] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._wake = asyncio.Event()
+        self._step_in_flight = False
+        self._timeline: float | None = None  # end of the last step while busy
+        self._latest_arrival = 0.0
+        self.max_running = 0
+        self.max_waiting = 0
+        self.num_steps = 0
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rank{self.index}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- requests -------------------------------------------------------------------------
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) as vLLM's DP load balancer counts them."""
+        return len(self.scheduler.waiting) + len(self._pending), len(self.scheduler.running)
+
+    def submit(self, handle: RequestHandle) -> None:
+        stamp = self._engine.clock.now()
+        handle.arrival_time = stamp
+        handle.engine_index = self.index
+        self._latest_arrival = max(self._latest_arrival, stamp)
+        self._handles[handle.engine_request_id] = handle
+        if self._engine.held:
+            self._admit(handle)
+            self._publish()
+        else:
+            self._pending.append(handle)
+        self._note_peaks()
+        self._wake.set()
+
+    def abort(self, handle: RequestHandle) -> None:
+        if handle.done:
+            return
+        if handle in self._pending:
+            self._pending.remove(handle)
+        else:
+            self.scheduler.abort(handle.engine_request_id)
+            if not self._step_in_flight:
+                self._publish()
+        handle.state = "aborted"
+        self._handles.pop(handle.engine_request_id, None)
+        self._engine.record_end(handle)
+
+    def fail_all(self) -> None:
+        """End every request (engine reset): their streams stop without finishing."""
+        for handle in list(self._handles.values()):
+            handle.state = "aborted"
+            handle.tokens.put_nowait(None)
+        self._handles.clear()
+        self._pending.clear()
+
+    def _admit(self, handle: RequestHandle) -> None:
+        self.scheduler.add_request(handle.engine_request_id, handle.prompt_tokens,
+                                   handle.max_tokens, handle.arrival_time)
+        handle.state = "waiting"
+
+    def _publish(self) -> None:
+        self._engine.metrics.publish(self.index, self.scheduler.stats())
+
+    def _note_peaks(self) -> None:
+        waiting, running = self.load
+        self.max_waiting = max(self.max_waiting, waiting)
+        self.max_running = max(self.max_running, running)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -- the step loop --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        engine = self._engine
+        clock = engine.clock
+        while True:
+            if engine.held or not (self._pending or self.scheduler.has_unfinished):
+                self._timeline = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for handle in self._pending:
+                self._admit(handle)
+            self._pending.clear()
+
+            start = clock.now() if self._timeline is None else self._timeline
+            start = max(start, self._latest_arrival)
+            step = self.scheduler.schedule(start)
+            self._note_peaks()
+            for request in self.scheduler.running:
+                handle = self._handles.get(request.request_id)
+                if handle is not None:
+                    handle.state = "running"
+            for request_id in step.preempted:
+                handle = self._handles.get(request_id)
+                if handle is not None:
+                    handle.state = "waiting"
+                    handle.preemptions += 1
+            if step.is_empty:  # cannot happen with a valid config; never spin
+                self._timeline = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+
+            self._step_in_flight = True
+            try:
+                delay = clock.wall_delay_until(step.end_time)
+                await asyncio.sleep(delay if delay >= MIN_SLEEP_S else 0)
+            finally:
+                self._step_in_flight = False
+            output = self.scheduler.complete(step)
+            self._timeline = step.end_time
+            self.num_steps += 1
+            engine.metrics.record_step(self.index, step, output)
+            self._publish()
+            for token in output.tokens:
+                handle = self._handles.get(token.request_id)
+                if handle is None:
+                    continue
+                handle.tokens.put_nowait(token)
+                if token.finished:
+                    handle.state = "finished"
+                    handle.tokens.put_nowait(None)
+                    del self._handles[token.request_id]
+                    engine.record_end(handle)
+
+
+class Engine:
+    """All DP ranks, request routing, hold, and the bookkeeping /control reports."""
+
+    def __init__(self, config: SimConfig, clock: EngineClock | None = None) -> None:
+        self.config = config
+        self.clock = clock or EngineClock(config.time_scale)
+        self.held = False
+        self._ids = itertools.count()
+        self._rr = itertools.count()
+        self._new_state()
+
+    def _new_state(self) -> None:
+        self.metrics = EngineMetrics(self.config.model, self.config.scheduler,
+                                     range(self.config.data_parallel_size))
+        self.ranks = [EngineRank(i, self) for i in range(self.config.data_parallel_size)]
+        self.arrivals: list[dict[str, Any]] = []
+        self.requests: list[RequestHandle] = []
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    def start(self) -> None:
+        for rank in self.ranks:
+            rank.start()
+
+    async def stop(self) -> None:
+        for rank in self.ranks:
+            rank.fail_all()
+            await rank.stop()
+
+    async def reset(self) -> None:
+        """Fresh schedulers and counters; requests in flight end unfinished."""
+        await self.stop()
+        self.held = False
+        self._ids = itertools.count()
+        self._rr = itertools.count()
+        self._new_state()
+        self.start()
+
+    def set_hold(self, hold: bool) -> None:
+        self.held = hold
+        if not hold:
+            for rank in self.ranks:
+                rank._wake.set()
+
+    def _route(self) -> EngineRank:
+        if len(self.ranks) == 1:
+            return self.ranks[0]
+        if self.config.dp_routing == "least-loaded":
+            # vLLM's DPLBAsyncMPClient: lowest waiting * 4 + running, first rank on ties.
+            return min(self.ranks, key=lambda r: (r.load[0] * 4 + r.load[1], r.index))
+        return self.ranks[next(self._rr) % len(self.ranks)]
+
+    def submit(self, prompt_tokens: int, max_tokens: int, info: dict[str, Any]) -> RequestHandle:
+        """Queue a validated request on a rank; returns the handle to read tokens from."""
+        seq = next(self._ids)
+        handle = RequestHandle(f"req-{seq}", prompt_tokens, max_tokens, info=info)
+        rank = self._route()
+        rank.submit(handle)
+        self.requests.append(handle)
+        self.arrivals.append({"seq": seq, **info, "engine": rank.index,
+                              "engine_request_id": handle.engine_request_id,
+                              "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                              "arrival_time": handle.arrival_time})
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        self.ranks[handle.engine_index].abort(handle)
+
+    def record_end(self, handle: RequestHandle) -> None:
+        if handle.state == "finished":
+            self.num_finished += 1
+        elif handle.state == "aborted":
+            self.num_aborted += 1
+
+    def state(self) -> dict[str, Any]:
+        """The /control/state document."""
+        ranks = []
+        for rank in self.ranks:
+            stats = rank.stats()
+            waiting, running = rank.load
+            ranks.append({"engine": rank.index, "running": running, "waiting": waiting,
+                          "kv_usage": stats.kv_cache_usage, "used_blocks": stats.used_blocks,
+                          "num_preemptions": rank.scheduler.num_preemptions,
+                          "max_running": rank.max_running, "max_waiting": rank.max_waiting,
+                          "steps": rank.num_steps})
+        return {
+            "running": sum(r["running"] for r in ranks),
+            "waiting": sum(r["waiting"] for r in ranks),
+            "kv_usage": max(r["kv_usage"] for r in ranks),
+            "num_preemptions": sum(r["num_preemptions"] for r in ranks),
+            "finished": self.num_finished,
+            "aborted": self.num_aborted,
+            "max_running": max(r["max_running"] for r in ranks),
+            "max_waiting": max(r["max_waiting"] for r in ranks),
+            "held": self.held,
+            "engine_time": self.clock.now(),
+            "engines": ranks,
+            "requests": [
+                {"engine_request_id": h.engine_request_id,
+                 "request_id": h.info.get("request_id"), "engine": h.engine_index,
+                 "state": h.state, "prompt_tokens": h.prompt_tokens, "max_tokens": h.max_tokens,
+                 "preemptions": h.preemptions}
+                for h in self.requests
+            ],
+        }
+

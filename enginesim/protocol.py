@@ -1,0 +1,305 @@
+"""OpenAI-compatible request parsing and response shapes, as vLLM 0.11 serves them.
+
+Pure functions, no IO. The JSON shapes copy vLLM 0.11's pydantic models and the way its
+handlers dump them (vllm/entrypoints/openai/protocol.py, serving_chat.py,
+serving_completion.py):
+
+- errors: ``{"error": {"message", "type", "param": null, "code"}}`` with the HTTP status
+  in ``code`` (0.11 nests the error; older releases used a flat ``"object": "error"``).
+  Engine-level errors use type ``BadRequestError`` / ``NotFoundError``; FastAPI request
+  validation errors (invalid JSON, missing fields) use the status phrase ``Bad Request``.
+- chat streaming: the first chunk carries ``delta: {"role": "assistant", "content": ""}``;
+  each later chunk one token; the LAST token's chunk also carries ``finish_reason``
+  ("length") and ``stop_reason`` (vLLM puts both in one chunk); then, if
+  ``stream_options.include_usage``, a chunk with ``choices: []`` and ``usage``; then
+  ``data: [DONE]``. Chunks are dumped with ``exclude_unset=True`` (so only the fields
+  vLLM sets explicitly appear), completion chunks with every field.
+
+Token accounting is deterministic: prompt tokens = ceil(UTF-8 bytes of the text /
+bytes_per_token), at least 1; the output length is ``max_completion_tokens`` or
+``max_tokens`` when given, else the simulator's default capped to the context left.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ApiError",
+    "ParsedRequest",
+    "chat_chunk_first",
+    "chat_chunk_token",
+    "chat_response",
+    "completion_chunk_token",
+    "completion_response",
+    "error_body",
+    "model_list",
+    "parse_request",
+    "token_text",
+    "usage",
+    "usage_chunk",
+]
+
+CHAT = "chat"
+COMPLETION = "completion"
+
+
+class ApiError(Exception):
+    """An error answered with vLLM's JSON error body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.err_type}: {self.message}"
+
+
+def error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
+    """vLLM 0.11 ErrorResponse.model_dump()."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What the engine needs from an OpenAI request body."""
+
+    kind: str  # CHAT or COMPLETION
+    model: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    prompt_tokens: int
+    max_tokens: int
+    max_tokens_explicit: bool
+    user: Any
+    metadata: Any
+
+
+def _validation_error(detail: str) -> ApiError:
+    return ApiError(400, detail, "Bad Request")
+
+
+def count_text_bytes(value: Any) -> int:
+    """UTF-8 bytes of a message ``content`` (string or list of parts)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    if isinstance(value, list):
+        total = 0
+        for part in value:
+            if isinstance(part, str):
+                total += len(part.encode("utf-8"))
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                total += len(part["text"].encode("utf-8"))
+        return total
+    raise _validation_error("message content must be a string or a list of content parts")
+
+
+def _tokens_from_bytes(num_bytes: int, bytes_per_token: float) -> int:
+    return max(1, math.ceil(num_bytes / bytes_per_token))
+
+
+def _prompt_tokens(kind: str, body: dict[str, Any], bytes_per_token: float) -> int:
+    if kind == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _validation_error("Field required: 'messages' must be a non-empty list")
+        total = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                raise _validation_error("each message must be an object")
+            total += count_text_bytes(message.get("content"))
+        return _tokens_from_bytes(total, bytes_per_token)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _tokens_from_bytes(len(prompt.encode("utf-8")), bytes_per_token)
+    if isinstance(prompt, list) and prompt:
+        # Token ids count as themselves; several prompts are treated as one (no n>1 batches).
+        if all(isinstance(p, int) for p in prompt):
+            return max(1, len(prompt))
+        total_tokens = 0
+        for item in prompt:
+            if isinstance(item, str):
+                total_tokens += _tokens_from_bytes(len(item.encode("utf-8")), bytes_per_token)
+            elif isinstance(item, list) and all(isinstance(p, int) for p in item):
+                total_tokens += max(1, len(item))
+            else:
+                raise _validation_error("prompt must be a string, a list of strings or token ids")
+        return total_tokens
+    raise _validation_error("Field required: 'prompt' must be a string or a list")
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _validation_error(f"'{key}' must be an integer >= 1, got {value!r}")
+    return value
+
+
+def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: int,
+                  bytes_per_token: float, default_max_tokens: int) -> ParsedRequest:
+    """Validate a request body like vLLM's frontend does; raise ApiError on refusal."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _validation_error(
+            f"[{{'type': 'json_invalid', 'loc': ('body', {getattr(exc, 'pos', 0)}), "
+            f"'msg': 'JSON decode error', 'input': {{}}, 'ctx': {{'error': "
+            f"'{getattr(exc, 'msg', str(exc))}'}}}}]") from None
+    if not isinstance(body, dict):
+        raise _validation_error("request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        model = served_model  # vLLM 0.11 falls back to the first served model
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
+    stream = body.get("stream") is True
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise _validation_error("'stream_options' must be an object")
+    if stream_options and not stream:
+        raise _validation_error("Stream options can only be defined when `stream=True`.")
+    include_usage = bool(stream_options.get("include_usage"))
+    continuous_usage = include_usage and bool(stream_options.get("continuous_usage_stats"))
+
+    prompt_tokens = _prompt_tokens(kind, body, bytes_per_token)
+    if kind == CHAT:
+        requested = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    else:
+        requested = _positive_int(body, "max_tokens")
+
+    # vLLM's checks (serving_engine._validate_input); the chat handler appends the
+    # exception's __cause__, which is None here, to the message.
+    suffix = " None" if kind == CHAT else ""
+    if prompt_tokens >= max_model_len:
+        raise ApiError(400, (
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_tokens} input tokens. Please reduce the length of the "
+            f"input messages.{suffix}"))
+    if requested is not None and prompt_tokens + requested > max_model_len:
+        raise ApiError(400, (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
+            f"maximum context length is {max_model_len} tokens and your request has "
+            f"{prompt_tokens} input tokens ({requested} > {max_model_len} - {prompt_tokens})."
+            f"{suffix}"))
+    max_tokens = requested if requested is not None else min(
+        default_max_tokens, max_model_len - prompt_tokens)
+    return ParsedRequest(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        max_tokens_explicit=requested is not None,
+        user=body.get("user"),
+        metadata=body.get("metadata"),
+    )
+
+
+def token_text(index: int) -> str:
+    """The deterministic text of generated token ``index``."""
+    return f" tok{index}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """UsageInfo with vLLM's field order."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: ...`` and a blank line."""
+    data = obj if isinstance(obj, str) else _dumps(obj)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def chat_chunk_first(request_id: str, created: int, model: str) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}],
+            "prompt_token_ids": None}
+
+
+def chat_chunk_token(request_id: str, created: int, model: str, text: str,
+                     finish_reason: str | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                              "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = None
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def completion_chunk_token(request_id: str, created: int, model: str, text: str,
+                           finish_reason: str | None) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason, "stop_reason": None,
+                         "prompt_token_ids": None, "token_ids": None}],
+            "usage": None}
+
+
+def usage_chunk(kind: str, request_id: str, created: int, model: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == CHAT else "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_response(request_id: str, created: int, model: str, text: str, prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+               "audio": None, "function_call": None, "tool_calls": [],
+               "reasoning_content": None}
+    body_usage = usage(prompt_tokens, completion_tokens) | {"prompt_tokens_details": None}
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": "length", "stop_reason": None, "token_ids": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": body_usage,
+            "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None}
+
+
+def completion_response(request_id: str, created: int, model: str, text: str,
+                        prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    body_usage = usage(prompt_tokens, completion_tokens) | {"prompt_tokens_details": None}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                         "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+                         "prompt_token_ids": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": body_usage,
+            "kv_transfer_params": None}
+
+
+def model_list(model: str, max_model_len: int, created: int, permission_id: str) -> dict[str, Any]:
+    """GET /v1/models as vLLM 0.11 answers it."""
+    permission = {"id": permission_id, "object": "model_permission", "created": created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    card = {"id": model, "object": "model", "created": created, "owned_by": "vllm",
+            "root": model, "parent": None, "max_model_len": max_model_len,
+            "permission": [permission]}
+    return {"object": "list", "data": [card]}

@@ -1,0 +1,332 @@
+"""aiohttp front end: vLLM 0.11's OpenAI-compatible routes, /metrics, and /control.
+
+Behaviour that clients and gateways can observe:
+
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: streaming (SSE,
+  ``content-type: text/event-stream; charset=utf-8``) or a single JSON body.
+  As in vLLM (Starlette sends the status line before the first chunk), a streaming
+  response's status and headers go out as soon as the engine accepts the request; its
+  first ``data:`` line follows the first token. Exception: a request that arrives while
+  the engine is held gets no bytes at all until its first token.
+- A client that disconnects aborts its request in the scheduler (its blocks are freed),
+  which is what vLLM's ``with_cancellation`` does. The aiohttp runner must be created
+  with ``handler_cancellation=True`` (``create_runner`` does this).
+- ``GET /metrics`` serves Prometheus text format 0.0.4 (OpenMetrics if the Accept header
+  asks for it), subject to ``/control/metrics_mode``.
+
+The /control routes (JSON in, JSON out) exist for deterministic tests; see ``ControlApi``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+from . import protocol
+from .config import SimConfig
+from .engine import Engine, RequestHandle
+
+__all__ = ["METRICS_CONTENT_TYPE", "METRICS_MODES", "create_app", "create_runner"]
+
+log = logging.getLogger("enginesim.server")
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+METRICS_MODES = ("ok", "fail", "hang", "garbage", "missing")
+GARBAGE_BODY = b"<html>oops</html>\n\x00\xff\xfe\x89PNG\r\n\x1a\n{{not prometheus}}\nvllm:\n"
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+CONFIG_KEY = web.AppKey("config", SimConfig)
+STATE_KEY = web.AppKey("state", dict)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status,
+                             dumps=lambda o: json.dumps(o, separators=(",", ":")))
+
+
+def _error(exc: protocol.ApiError) -> web.Response:
+    return _json(exc.body(), status=exc.status)
+
+
+class OpenAIApi:
+    """The generation routes, /v1/models and /health."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    @property
+    def engine(self) -> Engine:
+        return self._app[ENGINE_KEY]
+
+    @property
+    def config(self) -> SimConfig:
+        return self._app[CONFIG_KEY]
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.COMPLETION)
+
+    async def models(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        return _json(protocol.model_list(cfg.model, cfg.scheduler.max_model_len,
+                                         int(time.time()), f"modelperm-{uuid.uuid4().hex}"))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        cfg = self.config
+        raw = await request.read()
+        try:
+            parsed = protocol.parse_request(
+                kind, raw, served_model=cfg.model, max_model_len=cfg.scheduler.max_model_len,
+                bytes_per_token=cfg.bytes_per_token, default_max_tokens=cfg.default_max_tokens)
+        except protocol.ApiError as exc:
+            return _error(exc)
+        header_id = request.headers.get("X-Request-Id")
+        info = {"request_id": header_id, "model": parsed.model, "user": parsed.user,
+                "metadata": parsed.metadata, "kind": kind, "stream": parsed.stream}
+        engine = self.engine
+        held_at_arrival = engine.held
+        handle = engine.submit(parsed.prompt_tokens, parsed.max_tokens, info)
+        prefix = "chatcmpl" if kind == protocol.CHAT else "cmpl"
+        response_id = f"{prefix}-{header_id or uuid.uuid4().hex}"
+        created = int(time.time())
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, handle, response_id, created,
+                                          prepare_early=not held_at_arrival)
+            return await self._full(parsed, handle, response_id, created)
+        finally:
+            if not handle.done:
+                engine.abort(handle)
+
+    async def _full(self, parsed: protocol.ParsedRequest, handle: RequestHandle,
+                    response_id: str, created: int) -> web.Response:
+        count = 0
+        while await handle.tokens.get() is not None:
+            count += 1
+        if handle.state != "finished":
+            return _error(protocol.ApiError(500, "The engine was reset", "InternalServerError"))
+        text = "".join(protocol.token_text(i) for i in range(count))
+        build = protocol.chat_response if parsed.kind == protocol.CHAT else (
+            protocol.completion_response)
+        return _json(build(response_id, created, parsed.model, text, parsed.prompt_tokens, count))
+
+    async def _stream(self, request: web.Request, parsed: protocol.ParsedRequest,
+                      handle: RequestHandle, response_id: str, created: int,
+                      prepare_early: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+        if prepare_early:
+            await response.prepare(request)
+        model = parsed.model
+        chat = parsed.kind == protocol.CHAT
+        count = 0
+        while (token := await handle.tokens.get()) is not None:
+            if not response.prepared:
+                await response.prepare(request)
+            parts: list[dict[str, Any]] = []
+            if chat and token.index == 0:
+                parts.append(protocol.chat_chunk_first(response_id, created, model))
+            finish = "length" if token.finished else None
+            text = protocol.token_text(token.index)
+            count += 1
+            if chat:
+                chunk = protocol.chat_chunk_token(response_id, created, model, text, finish)
+            else:
+                chunk = protocol.completion_chunk_token(response_id, created, model, text, finish)
+            parts.append(chunk)
+            if parsed.continuous_usage:
+                for part in parts:
+                    part["usage"] = protocol.usage(parsed.prompt_tokens,
+                                                   count if part is chunk else 0)
+            await response.write(b"".join(protocol.sse(part) for part in parts))
+        if not response.prepared:
+            await response.prepare(request)
+        if handle.state == "finished":
+            if parsed.include_usage:
+                await response.write(protocol.sse(protocol.usage_chunk(
+                    parsed.kind, response_id, created, model, parsed.prompt_tokens, count)))
+        else:
+            await response.write(protocol.sse(protocol.ApiError(
+                500, "The engine was reset", "InternalServerError").body()))
+        await response.write(protocol.SSE_DONE)
+        await response.write_eof()
+        return response
+
+
+class ControlApi:
+    """/control: pin gauges, break /metrics, hold the engine, inspect and reset state.
+
+    - ``POST /control/pin`` ``{"running": int|null, "waiting": int|null, "kv_usage": float|null}``:
+      /metrics reports these values (on every engine rank) instead of the model's; a key
+      set to null unpins that gauge, a missing key leaves it as it is.
+    - ``POST /control/unpin``: clear every pin.
+    - ``POST /control/metrics_mode`` ``{"mode": "ok"|"fail"|"hang"|"garbage"|"missing"}``.
+    - ``POST /control/hold`` ``{"hold": bool}``: stop / resume engine steps.
+    - ``GET /control/state``, ``GET /control/arrivals``: what the engine saw.
+    - ``POST /control/reset``: fresh schedulers and metrics; also unpins, sets the metrics
+      mode back to ok and releases the hold. Requests in flight end with an error.
+    """
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    @property
+    def engine(self) -> Engine:
+        return self._app[ENGINE_KEY]
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._app[STATE_KEY]
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except json.JSONDecodeError as exc:
+            raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {exc}"}),
+                                     content_type="application/json") from None
+        if not isinstance(body, dict):
+            raise _bad("body must be a JSON object")
+        return body
+
+    async def pin(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        pins = dict(self.engine.metrics.pins)
+        for key, kind in (("running", int), ("waiting", int), ("kv_usage", float)):
+            if key not in body:
+                continue
+            value = body[key]
+            if value is None:
+                pins[key] = None
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise _bad(f"{key} must be a non-negative number or null, got {value!r}")
+            if kind is int and value != int(value):
+                raise _bad(f"{key} must be an integer, got {value!r}")
+            pins[key] = kind(value)
+        unknown = set(body) - {"running", "waiting", "kv_usage"}
+        if unknown:
+            raise _bad(f"unknown keys: {sorted(unknown)}")
+        self.engine.metrics.set_pins(pins["running"], pins["waiting"], pins["kv_usage"])
+        return _json({"pins": self.engine.metrics.pins})
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        self.engine.metrics.set_pins(None, None, None)
+        return _json({"pins": self.engine.metrics.pins})
+
+    async def metrics_mode(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        mode = body.get("mode")
+        if mode not in METRICS_MODES:
+            raise _bad(f"mode must be one of {list(METRICS_MODES)}, got {mode!r}")
+        self.state["metrics_mode"] = mode
+        return _json({"mode": mode})
+
+    async def hold(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        hold = body.get("hold")
+        if not isinstance(hold, bool):
+            raise _bad(f"hold must be true or false, got {hold!r}")
+        self.engine.set_hold(hold)
+        return _json({"hold": hold})
+
+    async def get_state(self, request: web.Request) -> web.Response:
+        doc = self.engine.state()
+        doc["metrics_mode"] = self.state["metrics_mode"]
+        doc["pins"] = self.engine.metrics.pins
+        return _json(doc)
+
+    async def arrivals(self, request: web.Request) -> web.Response:
+        items = [{"id": a["request_id"] if a["request_id"] is not None else str(a["seq"]), **a}
+                 for a in self.engine.arrivals]
+        return _json({"arrivals": items})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        await self.engine.reset()
+        self.state["metrics_mode"] = "ok"
+        return _json({"reset": True})
+
+
+def _bad(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=json.dumps({"error": message}), content_type="application/json")
+
+
+class MetricsApi:
+    """GET /metrics, honouring the control metrics mode."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        mode = self._app[STATE_KEY]["metrics_mode"]
+        metrics = self._app[ENGINE_KEY].metrics
+        if mode == "fail":
+            return web.Response(status=500, text="Internal Server Error")
+        if mode == "hang":
+            # Answer nothing until the client gives up (the handler is cancelled then)
+            # or the server shuts down.
+            await self._app[STATE_KEY]["shutdown"].wait()
+            return web.Response(status=503)
+        if mode == "garbage":
+            return web.Response(body=GARBAGE_BODY, headers={"Content-Type": METRICS_CONTENT_TYPE})
+        if mode == "ok" and "application/openmetrics-text" in request.headers.get("Accept", ""):
+            return web.Response(body=generate_openmetrics(metrics.registry),
+                                headers={"Content-Type": OPENMETRICS_TYPE})
+        body = metrics.exposition(without_gauges=(mode == "missing"))
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def create_app(config: SimConfig, engine: Engine | None = None) -> web.Application:
+    """The simulator's aiohttp application; the engine starts and stops with it."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[CONFIG_KEY] = config
+    app[ENGINE_KEY] = engine if engine is not None else Engine(config)
+    app[STATE_KEY] = {"metrics_mode": "ok", "shutdown": asyncio.Event()}
+
+    async def on_startup(app: web.Application) -> None:
+        app[ENGINE_KEY].start()
+
+    async def on_shutdown(app: web.Application) -> None:
+        app[STATE_KEY]["shutdown"].set()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[ENGINE_KEY].stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+
+    openai_api = OpenAIApi(app)
+    control = ControlApi(app)
+    metrics = MetricsApi(app)
+    app.router.add_post("/v1/chat/completions", openai_api.chat)
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_get("/health", openai_api.health)
+    app.router.add_get("/metrics", metrics.metrics)
+    app.router.add_post("/control/pin", control.pin)
+    app.router.add_post("/control/unpin", control.unpin)
+    app.router.add_post("/control/metrics_mode", control.metrics_mode)
+    app.router.add_post("/control/hold", control.hold)
+    app.router.add_get("/control/state", control.get_state)
+    app.router.add_get("/control/arrivals", control.arrivals)
+    app.router.add_post("/control/reset", control.reset)
+    return app
+
+
+def create_runner(app: web.Application) -> web.AppRunner:
+    """An AppRunner that cancels handlers on client disconnect (abort semantics)."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None)
