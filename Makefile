@@ -1,0 +1,39 @@
+# `make run`  : set up .venv and run simulator + admission service + Envoy in the foreground.
+# `make test` : set up .venv and run the whole test suite.
+# ENGINE_URL=http://host:8000 make run   fronts a real vLLM instead of the simulator.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test unit envoy-config clean help
+
+help:
+	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
+	@echo "make test          run the whole test suite"
+	@echo "make unit          run only the fast unit tests"
+	@echo "make envoy-config  regenerate envoy/envoy.yaml from the default settings"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m extproc.devstack
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit tests/enginesim -q
+
+envoy-config: $(STAMP)
+	env -i PATH="$$PATH" ADMISSION_OBSERVE_MODELS=sim-model $(VENV)/bin/extproc envoy-config -o envoy/envoy.yaml
+
+clean:
+	rm -rf $(VENV) run .pytest_cache .hypothesis *.egg-info
