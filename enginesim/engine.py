@@ -88,7 +88,8 @@ class EngineRank:
         self._wake = asyncio.Event()
         self._step_in_flight = False
         self._timeline: float | None = None  # end of the last step while busy
-        self._latest_arrival = 0.0
+        self._last_end = 0.0
+        self._resume_at: float | None = None
         self.max_running = 0
         self.max_waiting = 0
         self.num_steps = 0
@@ -117,7 +118,6 @@ class EngineRank:
         stamp = self._engine.clock.now()
         handle.arrival_time = stamp
         handle.engine_index = self.index
-        self._latest_arrival = max(self._latest_arrival, stamp)
         self._handles[handle.engine_request_id] = handle
         if self._engine.held:
             self._admit(handle)
@@ -148,6 +148,11 @@ class EngineRank:
         self._handles.clear()
         self._pending.clear()
 
+    def resume(self, now: float) -> None:
+        """The hold was released at engine time ``now``: continue from there."""
+        self._resume_at = now
+        self._wake.set()
+
     def _admit(self, handle: RequestHandle) -> None:
         self.scheduler.add_request(handle.engine_request_id, handle.prompt_tokens,
                                    handle.max_tokens, handle.arrival_time)
@@ -175,12 +180,19 @@ class EngineRank:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for handle in self._pending:
+            batch, self._pending = self._pending, []
+            for handle in batch:
                 self._admit(handle)
-            self._pending.clear()
-
-            start = clock.now() if self._timeline is None else self._timeline
-            start = max(start, self._latest_arrival)
+            # A busy rank continues its own timeline; an idle one starts when the request
+            # that woke it arrived (or when the hold was released), not when the event loop
+            # got round to it, so loop latency is never multiplied by the time scale.
+            base = self._timeline if self._timeline is not None else self._resume_at
+            self._resume_at = None
+            candidates = [h.arrival_time for h in batch]
+            if base is not None:
+                candidates.append(base)
+            start = max(candidates) if candidates else clock.now()
+            start = max(start, self._last_end)
             step = self.scheduler.schedule(start)
             self._note_peaks()
             for request in self.scheduler.running:
@@ -205,7 +217,7 @@ class EngineRank:
             finally:
                 self._step_in_flight = False
             output = self.scheduler.complete(step)
-            self._timeline = step.end_time
+            self._timeline = self._last_end = step.end_time
             self.num_steps += 1
             engine.metrics.record_step(self.index, step, output)
             self._publish()
@@ -260,10 +272,11 @@ class Engine:
         self.start()
 
     def set_hold(self, hold: bool) -> None:
-        self.held = hold
-        if not hold:
+        was_held, self.held = self.held, hold
+        if was_held and not hold:
+            now = self.clock.now()
             for rank in self.ranks:
-                rank._wake.set()
+                rank.resume(now)
 
     def _route(self) -> EngineRank:
         if len(self.ranks) == 1:

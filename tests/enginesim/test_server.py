@@ -1,0 +1,357 @@
+"""The simulator over HTTP: the official openai client, /metrics, and /control."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from enginesim.scheduler import CostModel, SchedulerConfig
+
+from .conftest import Sim, poll
+
+CHAT = [{"role": "user", "content": "hello there"}]  # 11 bytes -> 3 prompt tokens
+
+
+def client_for(sim: Sim) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{sim.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def families(text: str) -> dict[str, object]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+# -- OpenAI API ---------------------------------------------------------------------------
+
+async def test_streaming_chat_parses_with_the_openai_client(sim):
+    async with client_for(sim) as client:
+        stream = await client.chat.completions.create(
+            model="sim-model", messages=CHAT, max_tokens=4, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " tok0 tok1 tok2 tok3"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 4)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+async def test_streaming_completion_parses_with_the_openai_client(sim):
+    async with client_for(sim) as client:
+        stream = await client.completions.create(model="sim-model", prompt="abcdefgh",
+                                                 max_tokens=3, stream=True)
+        chunks = [chunk async for chunk in stream]
+
+    assert [c.choices[0].text for c in chunks] == [" tok0", " tok1", " tok2"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[0].object == "text_completion"
+
+
+async def test_non_streaming_responses_carry_text_and_usage(sim):
+    async with client_for(sim) as client:
+        chat = await client.chat.completions.create(model="sim-model", messages=CHAT,
+                                                    max_completion_tokens=2)
+        completion = await client.completions.create(model="sim-model", prompt="x" * 40)
+
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.content == " tok0 tok1"
+    assert chat.choices[0].finish_reason == "length"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (3, 2)
+    assert completion.choices[0].text == "".join(f" tok{i}" for i in range(16))  # default 16
+    assert completion.usage.prompt_tokens == 10
+
+
+async def test_sse_headers_and_done_marker(sim):
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": 2, "stream": True}
+    async with sim.client.post("/v1/completions", json=body) as resp:
+        assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        raw = await resp.text()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: ") for e in events[:-1])
+
+
+async def test_unknown_model_is_404_with_vllm_error_body(sim):
+    async with client_for(sim) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="other", messages=CHAT)
+    assert info.value.body["type"] == "NotFoundError"  # openai unwraps {"error": {...}}
+    assert info.value.body["message"] == "The model `other` does not exist."
+
+
+async def test_invalid_json_is_400(sim):
+    async with sim.client.post("/v1/chat/completions", data=b"{not json",
+                               headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400
+        body = await resp.json()
+    assert body["error"]["code"] == 400 and body["error"]["param"] is None
+
+
+async def test_context_overflow_is_400_bad_request(sim):
+    async with client_for(sim) as client:
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 4096"):
+            await client.completions.create(model="sim-model", prompt="x" * 16000,
+                                            max_tokens=200)
+    state = await sim.state()
+    assert state["requests"] == []  # never reached the engine
+
+
+async def test_models_and_health(sim):
+    async with client_for(sim) as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == ["sim-model"]
+    assert models.data[0].model_extra["max_model_len"] == 4096
+    async with sim.client.get("/health") as resp:
+        assert resp.status == 200 and await resp.read() == b""
+
+
+# -- /metrics -----------------------------------------------------------------------------
+
+async def test_metrics_exposes_vllm_families_with_their_labels(sim):
+    async with sim.client.get("/metrics") as resp:
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        text = await resp.text()
+    fams = families(text)
+    expected = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:num_preemptions": "counter",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:cache_config_info": "gauge",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_decode_time_seconds": "histogram",
+    }
+    for name, kind in expected.items():
+        assert fams[name].type == kind, name
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        (s,) = fams[name].samples
+        assert s.labels == {"model_name": "sim-model", "engine": "0"}
+    assert [s.name for s in fams["vllm:num_preemptions"].samples] == [
+        "vllm:num_preemptions_total"]
+    assert "vllm:num_preemptions_created" in fams  # text 0.0.4 writes _created as a gauge
+    reasons = {s.labels["finished_reason"] for s in fams["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort"}
+    (info,) = fams["vllm:cache_config_info"].samples
+    assert info.value == 1.0
+    assert "model_name" not in info.labels
+    assert info.labels["engine"] == "0"
+    assert (info.labels["num_gpu_blocks"], info.labels["block_size"]) == ("512", "16")
+    assert len(info.labels) == 21  # every vLLM 0.11 CacheConfig field, plus engine
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.0\n' in text
+    ttft_buckets = [s.labels["le"] for s in fams["vllm:time_to_first_token_seconds"].samples
+                    if s.name.endswith("_bucket")]
+    assert ttft_buckets[:3] == ["0.001", "0.005", "0.01"] and ttft_buckets[-1] == "+Inf"
+
+
+async def test_metrics_count_tokens_and_requests(sim):
+    async with client_for(sim) as client:
+        for _ in range(2):
+            await client.completions.create(model="sim-model", prompt="abcdefgh", max_tokens=5)
+    text = await sim.metrics_text()
+    labels = {"model_name": "sim-model", "engine": "0"}
+    assert sample(text, "vllm:prompt_tokens_total", **labels) == 4
+    assert sample(text, "vllm:generation_tokens_total", **labels) == 10
+    assert sample(text, "vllm:request_success_total", finished_reason="length") == 2
+    assert sample(text, "vllm:time_to_first_token_seconds_count", **labels) == 2
+    assert sample(text, "vllm:request_decode_time_seconds_count", **labels) == 2
+    assert sample(text, "vllm:num_requests_running", **labels) == 0
+    assert sample(text, "vllm:kv_cache_usage_perc", **labels) == 0
+
+
+async def test_pinned_gauges_replace_the_models_values_until_unpinned(sim):
+    await sim.control("pin", {"running": 3, "waiting": 7, "kv_usage": 0.95})
+    text = await sim.metrics_text()
+    assert sample(text, "vllm:num_requests_running") == 3
+    assert sample(text, "vllm:num_requests_waiting") == 7
+    assert sample(text, "vllm:kv_cache_usage_perc") == 0.95
+
+    await sim.control("pin", {"waiting": None})
+    text = await sim.metrics_text()
+    assert sample(text, "vllm:num_requests_running") == 3
+    assert sample(text, "vllm:num_requests_waiting") == 0
+
+    await sim.control("unpin", {})
+    text = await sim.metrics_text()
+    assert sample(text, "vllm:num_requests_running") == 0
+    assert sample(text, "vllm:kv_cache_usage_perc") == 0
+
+
+async def test_metrics_mode_fail_gives_500(sim):
+    await sim.control("metrics_mode", {"mode": "fail"})
+    async with sim.client.get("/metrics") as resp:
+        assert resp.status == 500
+
+
+async def test_metrics_mode_garbage_is_not_prometheus_text(sim):
+    await sim.control("metrics_mode", {"mode": "garbage"})
+    async with sim.client.get("/metrics") as resp:
+        assert resp.status == 200
+        body = await resp.read()
+    assert body.startswith(b"<html>")
+    with pytest.raises(Exception):
+        list(text_string_to_metric_families(body.decode("utf-8", "replace")))
+
+
+async def test_metrics_mode_missing_drops_the_three_gauges(sim):
+    await sim.control("metrics_mode", {"mode": "missing"})
+    fams = families(await sim.metrics_text())
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting"):
+        assert name not in fams
+    assert "vllm:cache_config_info" in fams and "vllm:num_preemptions" in fams
+
+
+async def test_metrics_mode_hang_never_answers(sim):
+    await sim.control("metrics_mode", {"mode": "hang"})
+    with pytest.raises(asyncio.TimeoutError):
+        async with sim.client.get("/metrics", timeout=aiohttp.ClientTimeout(total=0.3)):
+            pass
+    await sim.control("metrics_mode", {"mode": "ok"})
+    assert "vllm:num_requests_running" in await sim.metrics_text()
+
+
+async def test_unknown_metrics_mode_is_rejected(sim):
+    async with sim.client.post("/control/metrics_mode", json={"mode": "weird"}) as resp:
+        assert resp.status == 400
+
+
+# -- hold, disconnects, arrivals, reset ---------------------------------------------------
+
+async def test_hold_keeps_requests_in_place_until_released(sim):
+    await sim.control("hold", {"hold": True})
+    async with client_for(sim) as client:
+        task = asyncio.create_task(client.chat.completions.create(
+            model="sim-model", messages=CHAT, max_tokens=2))
+
+        async def queued() -> bool:
+            return (await sim.state())["waiting"] == 1
+
+        await poll(queued)
+        text = await sim.metrics_text()
+        assert sample(text, "vllm:num_requests_waiting") == 1  # a held engine shows its queue
+        await asyncio.sleep(0.05)
+        assert not task.done()
+
+        await sim.control("hold", {"hold": False})
+        result = await asyncio.wait_for(task, 5)
+    assert result.choices[0].message.content == " tok0 tok1"
+    assert (await sim.state())["finished"] == 1
+
+
+async def test_hold_sends_no_response_bytes_for_requests_that_arrive_while_held(sim):
+    await sim.control("hold", {"hold": True})
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": 1, "stream": True}
+    request = asyncio.create_task(sim.client.post("/v1/completions", json=body))
+    await asyncio.sleep(0.1)
+    assert not request.done()
+    await sim.control("hold", {"hold": False})
+    async with await asyncio.wait_for(request, 5) as resp:
+        assert resp.status == 200
+        assert (await resp.text()).endswith("data: [DONE]\n\n")
+
+
+async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(make_sim):
+    slow = SchedulerConfig(num_gpu_blocks=512, block_size=16, max_num_seqs=4,
+                           max_num_batched_tokens=2048, max_model_len=4096,
+                           cost=CostModel(0.01, 0.00001, 0.01))
+    sim = await make_sim(scheduler=slow)
+    body = {"model": "sim-model", "prompt": "x" * 400, "max_tokens": 3000, "stream": True}
+    resp = await sim.client.post("/v1/completions", json=body)
+    await resp.content.readuntil(b"\n\n")  # the first token arrived: the request is running
+    assert (await sim.state())["engines"][0]["used_blocks"] > 0
+    resp.close()
+
+    async def aborted() -> bool:
+        state = await sim.state()
+        return state["aborted"] == 1 and state["engines"][0]["used_blocks"] == 0
+
+    await poll(aborted)
+    assert (await sim.state())["requests"][0]["state"] == "aborted"
+
+
+async def test_arrivals_list_requests_in_the_order_the_engine_saw_them(sim):
+    await sim.control("hold", {"hold": True})
+    tasks = []
+    for i in range(3):
+        body = {"model": "sim-model", "prompt": "hi", "max_tokens": 1, "user": f"u{i}"}
+        tasks.append(asyncio.create_task(sim.client.post(
+            "/v1/completions", json=body, headers={"X-Request-Id": f"id-{i}"})))
+
+        async def arrived(n: int = i + 1) -> bool:
+            return (await sim.state())["waiting"] == n
+
+        await poll(arrived)
+    await sim.control("hold", {"hold": False})
+    for task in tasks:
+        async with await task as resp:
+            assert resp.status == 200
+    async with sim.client.post("/v1/completions",
+                               json={"model": "sim-model", "prompt": "x", "max_tokens": 1}):
+        pass
+    async with sim.client.get("/control/arrivals") as resp:
+        arrivals = (await resp.json())["arrivals"]
+
+    assert [a["id"] for a in arrivals] == ["id-0", "id-1", "id-2", "3"]
+    assert [a["user"] for a in arrivals] == ["u0", "u1", "u2", None]
+    assert {a["model"] for a in arrivals} == {"sim-model"}
+
+
+async def test_reset_clears_requests_counters_pins_and_modes(sim):
+    async with client_for(sim) as client:
+        await client.completions.create(model="sim-model", prompt="hi", max_tokens=2)
+    await sim.control("pin", {"running": 4})
+    await sim.control("metrics_mode", {"mode": "missing"})
+    await sim.control("hold", {"hold": True})
+
+    await sim.control("reset", {})
+
+    state = await sim.state()
+    assert (state["finished"], state["requests"], state["held"]) == (0, [], False)
+    assert state["pins"] == {"running": None, "waiting": None, "kv_usage": None}
+    text = await sim.metrics_text()
+    assert sample(text, "vllm:generation_tokens_total") == 0
+    assert sample(text, "vllm:num_requests_running") == 0
+    async with client_for(sim) as client:  # and the engine still serves
+        await client.completions.create(model="sim-model", prompt="hi", max_tokens=1)
+
+
+async def test_data_parallel_ranks_have_their_own_series_and_share_requests(make_sim):
+    sim = await make_sim(data_parallel_size=2)
+    async with client_for(sim) as client:
+        await asyncio.gather(*[
+            client.completions.create(model="sim-model", prompt="abcd", max_tokens=2)
+            for _ in range(4)])
+    text = await sim.metrics_text()
+    fams = families(text)
+    infos = fams["vllm:cache_config_info"].samples
+    assert sorted(s.labels["engine"] for s in infos) == ["0", "1"]
+    running = fams["vllm:num_requests_running"].samples
+    assert sorted(s.labels["engine"] for s in running) == ["0", "1"]
+    for engine in ("0", "1"):
+        assert sample(text, "vllm:request_success_total", engine=engine,
+                      finished_reason="length") == 2
+    state = await sim.state()
+    assert [r["engine"] for r in state["requests"]] == [0, 1, 0, 1]
