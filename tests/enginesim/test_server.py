@@ -355,3 +355,24 @@ async def test_data_parallel_ranks_have_their_own_series_and_share_requests(make
                       finished_reason="length") == 2
     state = await sim.state()
     assert [r["engine"] for r in state["requests"]] == [0, 1, 0, 1]
+
+
+async def test_time_scale_keeps_reported_durations_in_engine_seconds(make_sim):
+    # The reference engine at 1000x: an 8192-token prompt is 4 chunks of 2048 tokens and
+    # 30 decode steps follow; wall-clock jitter must not leak into the histograms.
+    reference = SchedulerConfig(num_gpu_blocks=9527, block_size=16, max_num_seqs=4,
+                                max_num_batched_tokens=2048, max_model_len=131072,
+                                cost=CostModel())
+    sim = await make_sim(scheduler=reference, time_scale=1000.0)
+    async with client_for(sim) as client:
+        await client.completions.create(model="sim-model", prompt="x" * 4 * 8192,
+                                        max_tokens=31)
+    text = await sim.metrics_text()
+    prefill = sample(text, "vllm:request_prefill_time_seconds_sum")
+    decode = sample(text, "vllm:request_decode_time_seconds_sum")
+    chunk = 0.020 + 2048 * 0.0019
+    assert prefill == pytest.approx(4 * chunk, rel=1e-9)
+    assert decode == pytest.approx(30 * (0.020 + 0.01333), rel=1e-9)
+    assert sample(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(0, abs=1e-9)
+    assert 8192 / prefill == pytest.approx(523.6, abs=0.1)  # ~525 tok/s uncontended prefill
+    assert 30 / decode == pytest.approx(30.0, abs=0.01)     # 30 tok/s lone decode

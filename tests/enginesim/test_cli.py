@@ -1,0 +1,82 @@
+"""The enginesim command: flags, validation, and a real process on port 0."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from enginesim.cli import build_parser, config_from_args, main
+
+
+def test_help_documents_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--model", "--max-model-len", "--max-num-seqs",
+                 "--num-gpu-blocks", "--block-size", "--max-num-batched-tokens",
+                 "--bytes-per-token", "--default-max-tokens", "--time-scale",
+                 "--data-parallel-size", "--preset", "--step-overhead-s",
+                 "--per-prefill-token-s", "--per-decode-seq-s"):
+        assert flag in out
+    assert "(default: 127.0.0.1)" in out and "(default: small)" in out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--num-gpu-blocks", "0"], "--num-gpu-blocks"),
+    (["--time-scale", "-1"], "--time-scale"),
+    (["--port", "70000"], "--port"),
+    (["--max-num-seqs", "two"], "--max-num-seqs"),
+    (["--max-model-len", "100000"], "--max-model-len"),
+])
+def test_bad_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_reference_preset_is_the_reference_engine():
+    config = config_from_args(build_parser().parse_args(["--preset", "reference"]))
+    sched = config.scheduler
+    assert (sched.num_gpu_blocks, sched.block_size, sched.max_num_seqs) == (9527, 16, 4)
+    assert (sched.max_num_batched_tokens, sched.max_model_len) == (2048, 131072)
+
+
+def test_flags_override_the_preset():
+    args = build_parser().parse_args(["--preset", "reference", "--max-num-seqs", "8",
+                                      "--per-decode-seq-s", "0.02"])
+    config = config_from_args(args)
+    assert config.scheduler.max_num_seqs == 8
+    assert config.scheduler.cost.per_decode_seq_s == 0.02
+    assert config.scheduler.num_gpu_blocks == 9527
+
+
+def test_process_binds_port_zero_reports_it_and_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "enginesim", "--port", "0", "--model", "m1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()  # blocks until the socket is bound (or the process dies)
+        match = re.fullmatch(r"enginesim listening on http://127\.0\.0\.1:(\d+)\n", line)
+        assert match, line + proc.stderr.read()
+        port = int(match.group(1))
+        assert port != 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "enginesim settings:" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
