@@ -18,6 +18,10 @@ Names, HELP strings, types, buckets and label names are copied from vLLM 0.11.0'
   as a string plus ``engine``; it has no ``model_name``.
 - Gauges are published once per engine step (after the step's outputs are processed), as
   vLLM's scheduler stats are, not read live at scrape time.
+- Counters follow vLLM's IterationStats: prompt tokens are counted once per request, at its
+  first token; generation tokens as they are sampled. One deliberate difference: vLLM
+  counts a preemption only when the preempted request next emits a token (the event rides
+  on its next output); the simulator counts it in the step that preempted.
 
 Metrics live on an injected ``CollectorRegistry``; there are no module-level metrics.
 """

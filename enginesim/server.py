@@ -108,6 +108,9 @@ class OpenAIApi:
                 return await self._stream(request, parsed, handle, response_id, created,
                                           prepare_early=not held_at_arrival)
             return await self._full(parsed, handle, response_id, created)
+        except ConnectionResetError:
+            # The client went away mid-stream; the request is aborted below.
+            return web.Response(status=499)
         finally:
             if not handle.done:
                 engine.abort(handle)

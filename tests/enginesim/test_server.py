@@ -292,6 +292,22 @@ async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(make_si
     assert (await sim.state())["requests"][0]["state"] == "aborted"
 
 
+async def test_non_streaming_client_that_gives_up_aborts_its_queued_request(sim):
+    await sim.control("hold", {"hold": True})
+    body = {"model": "sim-model", "prompt": "hi", "max_tokens": 1}
+    with pytest.raises(asyncio.TimeoutError):
+        async with sim.client.post("/v1/completions", json=body,
+                                   timeout=aiohttp.ClientTimeout(total=0.2)):
+            pass
+
+    async def aborted() -> bool:
+        state = await sim.state()
+        return state["aborted"] == 1 and state["waiting"] == 0
+
+    await poll(aborted)
+    assert sample(await sim.metrics_text(), "vllm:num_requests_waiting") == 0
+
+
 async def test_arrivals_list_requests_in_the_order_the_engine_saw_them(sim):
     await sim.control("hold", {"hold": True})
     tasks = []
