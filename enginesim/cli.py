@@ -62,15 +62,28 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except for preset-dependent flags (their help names both presets)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _by_preset(key: str) -> str:
+    return "default: the preset's; small: {}, reference: {}".format(
+        PRESETS["small"][key], PRESETS["reference"][key])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    small = PRESETS["small"]
     parser = argparse.ArgumentParser(
         prog="enginesim",
         description=(
             "A vLLM V1 (0.11) engine simulator: OpenAI-compatible API, vllm:* metrics and "
             "the V1 scheduler (KV blocks, chunked prefill, preemption by recompute), with "
             "no GPU. Geometry flags left unset take the preset's value."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on")
@@ -82,25 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
              "max_model_len 131072, ~525 tok/s prefill, 30 tok/s decode)")
     add("--num-gpu-blocks", type=_positive_int, default=None,
         help=f"KV cache blocks per engine rank, including vLLM's reserved null block "
-             f"(small: {small['num_gpu_blocks']})")
+             f"({_by_preset('num_gpu_blocks')})")
     add("--block-size", type=_positive_int, default=None,
-        help=f"tokens per KV block (small: {small['block_size']})")
+        help=f"tokens per KV block ({_by_preset('block_size')})")
     add("--max-num-seqs", type=_positive_int, default=None,
-        help=f"most requests RUNNING at once per rank (small: {small['max_num_seqs']})")
+        help=f"most requests RUNNING at once per rank ({_by_preset('max_num_seqs')})")
     add("--max-num-batched-tokens", type=_positive_int, default=None,
-        help=f"token budget of one step, chunked prefill (small: "
-             f"{small['max_num_batched_tokens']})")
+        help=f"token budget of one step, chunked prefill "
+             f"({_by_preset('max_num_batched_tokens')})")
     add("--max-model-len", type=_positive_int, default=None,
-        help=f"context length: prompt + max_tokens limit (small: {small['max_model_len']})")
+        help=f"context length: prompt + max_tokens limit ({_by_preset('max_model_len')})")
     add("--step-overhead-s", type=_non_negative_float, default=None,
-        help=f"engine seconds every step costs (small: {small['step_overhead_s']}, reference: "
-             f"{CostModel.step_overhead_s})")
+        help=f"engine seconds every step costs ({_by_preset('step_overhead_s')})")
     add("--per-prefill-token-s", type=_non_negative_float, default=None,
-        help=f"engine seconds per prefill token in a step (small: "
-             f"{small['per_prefill_token_s']}, reference: {CostModel.per_prefill_token_s})")
+        help=f"engine seconds per prefill token in a step "
+             f"({_by_preset('per_prefill_token_s')})")
     add("--per-decode-seq-s", type=_non_negative_float, default=None,
-        help=f"engine seconds per decoding sequence in a step (small: "
-             f"{small['per_decode_seq_s']}, reference: {CostModel.per_decode_seq_s})")
+        help=f"engine seconds per decoding sequence in a step "
+             f"({_by_preset('per_decode_seq_s')})")
     add("--bytes-per-token", type=_positive_float, default=4.0,
         help="prompt tokens = ceil(UTF-8 bytes of the prompt text / this), at least 1")
     add("--default-max-tokens", type=_positive_int, default=16,
