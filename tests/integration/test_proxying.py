@@ -1,0 +1,104 @@
+"""Admitted requests reach the engine unchanged and come back unchanged, whatever the client."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import openai
+
+from extproc.devstack import Child, _bin, free_port
+
+from .conftest import Stack
+from .http import chat_body, get, post
+
+
+def _arrival(stack: Stack, request_id: str) -> dict:
+    (entry,) = [a for a in stack.sim("/control/arrivals")["arrivals"] if a["id"] == request_id]
+    return entry
+
+
+def test_admitted_requests_pass_byte_for_byte_both_ways(stack: Stack) -> None:
+    for i, (stream, model_last) in enumerate([(False, False), (False, True), (True, False), (True, True)]):
+        body = chat_body(f"request {i}", model_last=model_last, stream=stream, max_tokens=8)
+        reply = post(f"{stack.url}/v1/chat/completions", body, {"x-request-id": f"bytes-{i}"})
+        assert reply.status == 200
+        entry = _arrival(stack, f"bytes-{i}")
+        assert entry["body_sha256"] == hashlib.sha256(body).hexdigest()
+        stack.wait_state(lambda s: s["inflight"] == 0, "the finished request to leave the ledger")
+        entry = _arrival(stack, f"bytes-{i}")
+        assert entry["response_sha256"] == hashlib.sha256(reply.body).hexdigest()
+        if stream:
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            assert reply.body.rstrip().endswith(b"data: [DONE]")
+    assert stack.metric("admission_admitted_total", via="admitted") == 4
+
+
+def test_official_openai_client_streaming_and_not(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    completion = client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason == "length" or chunks[-1].choices == []
+    legacy = client.completions.create(model="sim-model", prompt="Once upon", max_tokens=4)
+    assert legacy.choices[0].text
+    assert stack.metric("admission_admitted_total", via="admitted") == 3
+
+
+def test_unknown_model_through_the_openai_client_is_a_not_found_error(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    try:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
+    except openai.NotFoundError as exc:
+        assert "gpt-9" in str(exc) and "sim-model" in str(exc)
+    else:
+        raise AssertionError("expected a 404")
+
+
+def test_ungated_paths_pass_through_even_while_the_gate_is_closed(stack: Stack) -> None:
+    stack.pin(running=4)
+    stack.wait_gate(False)
+    models = get(f"{stack.url}/v1/models")
+    assert models.status == 200 and models.json()["data"][0]["id"] == "sim-model"
+    assert get(f"{stack.url}/health").status == 200
+    assert stack.metric("admission_passthrough_total", reason="path_not_gated") == 2
+    assert stack.engine_state()["queue_depth"] == 0
+
+
+def test_no_observed_models_admits_everything_ungated(make_stack) -> None:  # noqa: ANN001
+    stack = make_stack({"ADMISSION_OBSERVE_MODELS": ""})
+    stack.pin(running=4)
+    reply = post(f"{stack.url}/v1/chat/completions", chat_body(model="anything-at-all"))
+    assert reply.status == 404  # the engine's own answer: the gateway did not judge the model
+    assert "x-admission-outcome" not in reply.headers
+    assert json.loads(reply.body)["error"]["type"] == "NotFoundError"
+    assert stack.metric("admission_passthrough_total", reason="no_models_configured") == 1
+
+
+def test_several_engines_are_routed_by_model(make_stack, tmp_path: Path) -> None:  # noqa: ANN001
+    sim_port, other_port = free_port(), free_port()
+    other = Child("enginesim-b", [_bin("enginesim"), "--port", str(other_port), "--model", "other-model"],
+                  {}, tmp_path / "enginesim-b.log")
+    other.start()
+    try:
+        config = tmp_path / "engines.yaml"
+        config.write_text(
+            "engines:\n"
+            f"  - {{name: a, url: 'http://127.0.0.1:{sim_port}', models: [sim-model]}}\n"
+            f"  - {{name: b, url: 'http://127.0.0.1:{other_port}', models: [other-model]}}\n"
+        )
+        stack = make_stack({"ADMISSION_OBSERVE_MODELS": "", "EXTPROC_CONFIG": str(config)}, sim_port=sim_port)
+        a = post(f"{stack.url}/v1/chat/completions", chat_body(model="sim-model"), {"x-request-id": "to-a"})
+        b = post(f"{stack.url}/v1/chat/completions", chat_body(model="other-model", model_last=True),
+                 {"x-request-id": "to-b"})
+        assert (a.status, a.json()["model"]) == (200, "sim-model")
+        assert (b.status, b.json()["model"]) == (200, "other-model")
+        assert stack.arrivals() == ["to-a"]
+        assert stack.metric("admission_admitted_total", engine="b", model="other-model") == 1
+    finally:
+        other.stop()
