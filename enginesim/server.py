@@ -121,7 +121,7 @@ class OpenAIApi:
         while await handle.tokens.get() is not None:
             count += 1
         if handle.state != "finished":
-            return _error(protocol.ApiError(500, "The engine was reset", "InternalServerError"))
+            return _error(protocol.ApiError(500, "The engine was reset or is shutting down", "InternalServerError"))
         text = "".join(protocol.token_text(i) for i in range(count))
         build = protocol.chat_response if parsed.kind == protocol.CHAT else (
             protocol.completion_response)
@@ -163,7 +163,7 @@ class OpenAIApi:
                     parsed.kind, response_id, created, model, parsed.prompt_tokens, count)))
         else:
             await response.write(protocol.sse(protocol.ApiError(
-                500, "The engine was reset", "InternalServerError").body()))
+                500, "The engine was reset or is shutting down", "InternalServerError").body()))
         await response.write(protocol.SSE_DONE)
         await response.write_eof()
         return response
@@ -303,7 +303,10 @@ def create_app(config: SimConfig, engine: Engine | None = None) -> web.Applicati
         app[ENGINE_KEY].start()
 
     async def on_shutdown(app: web.Application) -> None:
+        # Runs before aiohttp waits for open connections: end every request now so a
+        # long generation does not hold the process up.
         app[STATE_KEY]["shutdown"].set()
+        await app[ENGINE_KEY].stop()
 
     async def on_cleanup(app: web.Application) -> None:
         await app[ENGINE_KEY].stop()
@@ -332,4 +335,4 @@ def create_app(config: SimConfig, engine: Engine | None = None) -> web.Applicati
 
 def create_runner(app: web.Application) -> web.AppRunner:
     """An AppRunner that cancels handlers on client disconnect (abort semantics)."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
