@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -59,8 +61,10 @@ def test_flags_override_the_preset():
 
 
 def test_process_binds_port_zero_reports_it_and_stops_on_sigterm():
+    # The reference engine decodes 30 tok/s: a 2000-token stream would run for a minute.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "enginesim", "--port", "0", "--model", "m1"],
+        [sys.executable, "-m", "enginesim", "--port", "0", "--model", "m1",
+         "--preset", "reference"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -71,8 +75,18 @@ def test_process_binds_port_zero_reports_it_and_stops_on_sigterm():
         assert port != 0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
             assert resp.status == 200
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        body = {"model": "m1", "prompt": "hi", "max_tokens": 2000, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+
         proc.send_signal(signal.SIGTERM)
+
         assert proc.wait(timeout=10) == 0
+        assert stream.read().endswith(b"data: [DONE]\n\n")  # ended early, cleanly
+        conn.close()
         assert "enginesim settings:" in proc.stderr.read()
     finally:
         if proc.poll() is None:
