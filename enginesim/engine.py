@@ -66,6 +66,7 @@ class RequestHandle:
     preemptions: int = 0
     tokens: asyncio.Queue[TokenOutput | None] = field(default_factory=asyncio.Queue)
     info: dict[str, Any] = field(default_factory=dict)
+    arrival: dict[str, Any] = field(default_factory=dict)  # this request's /control/arrivals entry
 
     @property
     def done(self) -> bool:
@@ -293,10 +294,11 @@ class Engine:
         rank = self._route()
         rank.submit(handle)
         self.requests.append(handle)
-        self.arrivals.append({"seq": seq, **info, "engine": rank.index,
-                              "engine_request_id": handle.engine_request_id,
-                              "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-                              "arrival_time": handle.arrival_time})
+        handle.arrival = {"seq": seq, **info, "engine": rank.index,
+                          "engine_request_id": handle.engine_request_id,
+                          "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                          "arrival_time": handle.arrival_time}
+        self.arrivals.append(handle.arrival)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:

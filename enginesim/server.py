@@ -20,6 +20,7 @@ The /control routes (JSON in, JSON out) exist for deterministic tests; see ``Con
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -55,6 +56,18 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 def _error(exc: protocol.ApiError) -> web.Response:
     return _json(exc.body(), status=exc.status)
+
+
+class _DigestingStreamResponse(web.StreamResponse):
+    """A StreamResponse that keeps the SHA-256 of the body bytes it wrote."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.digest = hashlib.sha256()
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.digest.update(data)
+        await super().write(data)
 
 
 class OpenAIApi:
@@ -95,8 +108,10 @@ class OpenAIApi:
         except protocol.ApiError as exc:
             return _error(exc)
         header_id = request.headers.get("X-Request-Id")
+        # The body's and the response's SHA-256 let tests prove a proxy passed both unchanged.
         info = {"request_id": header_id, "model": parsed.model, "user": parsed.user,
-                "metadata": parsed.metadata, "kind": kind, "stream": parsed.stream}
+                "metadata": parsed.metadata, "kind": kind, "stream": parsed.stream,
+                "body_sha256": hashlib.sha256(raw).hexdigest()}
         engine = self.engine
         held_at_arrival = engine.held
         handle = engine.submit(parsed.prompt_tokens, parsed.max_tokens, info)
@@ -125,12 +140,15 @@ class OpenAIApi:
         text = "".join(protocol.token_text(i) for i in range(count))
         build = protocol.chat_response if parsed.kind == protocol.CHAT else (
             protocol.completion_response)
-        return _json(build(response_id, created, parsed.model, text, parsed.prompt_tokens, count))
+        response = _json(build(response_id, created, parsed.model, text, parsed.prompt_tokens, count))
+        assert isinstance(response.body, bytes)
+        handle.arrival["response_sha256"] = hashlib.sha256(response.body).hexdigest()
+        return response
 
     async def _stream(self, request: web.Request, parsed: protocol.ParsedRequest,
                       handle: RequestHandle, response_id: str, created: int,
                       prepare_early: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+        response = _DigestingStreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         if prepare_early:
             await response.prepare(request)
         model = parsed.model
@@ -165,6 +183,7 @@ class OpenAIApi:
             await response.write(protocol.sse(protocol.ApiError(
                 500, "The engine was reset or is shutting down", "InternalServerError").body()))
         await response.write(protocol.SSE_DONE)
+        handle.arrival["response_sha256"] = response.digest.hexdigest()
         await response.write_eof()
         return response
 

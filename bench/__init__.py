@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print figures. Tests never assert on speed; these measure it."""
