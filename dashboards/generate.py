@@ -1,0 +1,267 @@
+"""The Grafana dashboard, as code (grafana-foundation-sdk), and the files the Helm chart ships.
+
+    .venv/bin/python -m dashboards.generate           # rewrite the generated files
+    .venv/bin/python -m dashboards.generate --check   # exit 1 if any is stale (a test runs this)
+
+Writes `dashboards/llm-admission.json` and the chart's copies, `helm/llm-admission/files/`
+`llm-admission.json` and `llm-admission.rules.yml` (Helm can only read files inside the chart;
+the rules' source is `alerts/llm-admission.rules.yml`).
+
+Series come from two places: the admission service's /metrics (README "Metrics"; label `engine`
+is the engine's name in the service's config) and vLLM's own /metrics (`vllm:*`, label
+`model_name`; vLLM's `engine` label is a data-parallel rank, unrelated). Nothing maps an engine
+name to its models in PromQL, so the gateway's view and vLLM's own series sit side by side in
+one panel each: a gap between the two lines is the disagreement to look at.
+
+Every query must return data on a live stack: tests/observability evaluates each one against a
+real Prometheus scraping the service and the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as model
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "dashboards" / "llm-admission.json"
+RULES = ROOT / "alerts" / "llm-admission.rules.yml"
+CHART_FILES = ROOT / "helm" / "llm-admission" / "files"
+
+UID = "llm-admission"
+TITLE = "LLM admission"
+DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+# Label filters: the gateway's series by engine name, vLLM's by served model.
+GW = 'engine=~"$engine"'
+VLLM = 'model_name=~"$model"'
+RATE = "$__rate_interval"
+ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
+
+# Capacity rejections over all decisions, per engine; the `or ... * 0` keeps the ratio defined
+# (at 1) for an engine that has rejected everything and admitted nothing yet. The alert
+# LLMAdmissionHighRejectionRatio uses the same expression.
+REJECTION_RATIO = (
+    f'sum by (engine) (rate(admission_rejected_total{{reason=~"queue_full|park_timeout",{GW}}}[{RATE}]))\n'
+    f"/\n"
+    f"(sum by (engine) (rate(admission_rejected_total{{{GW}}}[{RATE}]))\n"
+    f" + (sum by (engine) (rate(admission_admitted_total{{{GW}}}[{RATE}]))"
+    f" or sum by (engine) (rate(admission_rejected_total{{{GW}}}[{RATE}])) * 0))"
+)
+
+
+def query(ref: str, expr: str, legend: str) -> prometheus.Dataquery:
+    return prometheus.Dataquery().ref_id(ref).expr(expr).legend_format(legend).range()
+
+
+def panel(title: str, description: str, unit: str, *targets: prometheus.Dataquery, width: int = 12,
+          bars: bool = False) -> timeseries.Panel:
+    built = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .span(width)
+        .height(8)
+        .legend(
+            common_builders.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.TABLE)
+            .placement(common.LegendPlacement.BOTTOM)
+            .show_legend(True)
+            .calcs(["lastNotNull", "max"])
+        )
+    )
+    if bars:
+        built = built.draw_style(common.GraphDrawStyle.BARS).fill_opacity(60)
+    for target in targets:
+        built = built.with_target(target)
+    return built
+
+
+def variables() -> list[db.QueryVariable | db.DatasourceVariable]:
+    return [
+        db.DatasourceVariable("datasource").label("Prometheus").type("prometheus"),
+        db.QueryVariable("engine")
+        .label("engine (gateway)")
+        .datasource(DATASOURCE)
+        .query("label_values(admission_queue_depth, engine)")
+        .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(model.VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(ALL),
+        db.QueryVariable("model")
+        .label("model (vLLM)")
+        .datasource(DATASOURCE)
+        .query("label_values(vllm:num_requests_running, model_name)")
+        .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(model.VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(ALL),
+    ]
+
+
+def build() -> dict[str, object]:
+    dash = (
+        db.Dashboard(TITLE)
+        .uid(UID)
+        .tags(["llm", "vllm", "envoy", "admission"])
+        .description("Admission decisions of the llm-admission gateway, and the vLLM engines behind it. "
+                     "Runbook: docs/runbook.md.")
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .tooltip(model.DashboardCursorSync.CROSSHAIR)
+        .variables(variables())
+        .with_row(db.Row("Admission"))
+        .with_panel(panel(
+            "Admission decisions per second, by outcome",
+            "Admitted by path (admitted, admitted_after_park, admitted_fail_open), rejected by reason "
+            "(queue_full, park_timeout, body_too_large, ...), parks begun, and requests not subject to "
+            "admission (ungated paths).",
+            "reqps",
+            query("A", f"sum by (via) (rate(admission_admitted_total{{{GW}}}[{RATE}]))", "admitted: {{via}}"),
+            query("B", f"sum by (reason) (rate(admission_rejected_total{{{GW}}}[{RATE}]))", "rejected: {{reason}}"),
+            query("C", f"sum(rate(admission_parked_total{{{GW}}}[{RATE}]))", "parked"),
+            query("D", f"sum by (reason) (rate(admission_passthrough_total[{RATE}]))", "not gated: {{reason}}"),
+        ))
+        .with_panel(panel(
+            "Capacity rejection ratio",
+            "queue_full + park_timeout over all decisions. Alert LLMAdmissionHighRejectionRatio fires "
+            "above 0.10 for 10 minutes.",
+            "percentunit",
+            query("A", REJECTION_RATIO, "{{engine}}"),
+        ))
+        .with_panel(panel(
+            "Parked and in flight",
+            "Parked now (bounded by the queue depth), admitted by this gateway and still streaming, and "
+            "running + waiting as the gate counts it (last poll corrected by local admissions and "
+            "completions).",
+            "short",
+            query("A", f"sum by (engine) (admission_queue_depth{{{GW}}})", "parked: {{engine}}"),
+            query("B", f"sum by (engine) (admission_inflight{{{GW}}})", "in flight: {{engine}}"),
+            query("C", f"sum by (engine) (admission_effective_load{{{GW}}})", "effective load: {{engine}}"),
+        ))
+        .with_panel(panel(
+            "Park time p50 / p95",
+            "How long parked requests waited, whatever ended the park (admission, timeout, client gone).",
+            "s",
+            query("A", "histogram_quantile(0.5, sum by (le, engine) "
+                       f"(rate(admission_park_duration_seconds_bucket{{{GW}}}[{RATE}])))", "p50: {{engine}}"),
+            query("B", "histogram_quantile(0.95, sum by (le, engine) "
+                       f"(rate(admission_park_duration_seconds_bucket{{{GW}}}[{RATE}])))", "p95: {{engine}}"),
+        ))
+        .with_row(db.Row("Engine: the gateway's view next to vLLM's own"))
+        .with_panel(panel(
+            "Running requests: gateway view vs vLLM",
+            "vllm_requests_running is what the gateway read at its last good poll; "
+            "vllm:num_requests_running is vLLM's own gauge (summed over data-parallel ranks). They "
+            "should overlap, a poll interval apart.",
+            "short",
+            query("A", f"sum by (engine) (vllm_requests_running{{{GW}}})", "gateway view: {{engine}}"),
+            query("B", f"sum by (model_name) (vllm:num_requests_running{{{VLLM}}})", "vLLM: {{model_name}}"),
+            width=8,
+        ))
+        .with_panel(panel(
+            "Waiting requests: gateway view vs vLLM",
+            "vllm_requests_waiting (gateway, last good poll) vs vllm:num_requests_waiting (vLLM).",
+            "short",
+            query("A", f"sum by (engine) (vllm_requests_waiting{{{GW}}})", "gateway view: {{engine}}"),
+            query("B", f"sum by (model_name) (vllm:num_requests_waiting{{{VLLM}}})", "vLLM: {{model_name}}"),
+            width=8,
+        ))
+        .with_panel(panel(
+            "KV cache usage: gateway view vs vLLM",
+            "vllm_kv_usage_perc (gateway, last good poll) vs vllm:kv_cache_usage_perc (vLLM, the "
+            "fullest rank). Requests park at the configured threshold (0.90 by default).",
+            "percentunit",
+            query("A", f"max by (engine) (vllm_kv_usage_perc{{{GW}}})", "gateway view: {{engine}}"),
+            query("B", f"max by (model_name) (vllm:kv_cache_usage_perc{{{VLLM}}})", "vLLM: {{model_name}}"),
+            width=8,
+        ))
+        .with_panel(panel(
+            "Engine state stale / observer degraded",
+            "1 = stale: polls failed ENGINE_STALE_AFTER_POLLS times in a row and admission fails open. "
+            "1 = degraded: the engine's /metrics does not parse into the three gauges admission needs.",
+            "short",
+            query("A", f"max by (engine) (engine_state_is_stale{{{GW}}})", "stale (failing open): {{engine}}"),
+            query("B", f"max by (engine) (observer_degraded{{{GW}}})", "observer degraded: {{engine}}"),
+        ))
+        .with_panel(panel(
+            "Engine poll failures per second",
+            "Failed polls of the engine's /metrics by reason (unreachable, timeout, http_status, "
+            "unparsable), and transitions into the stale (fail-open) state.",
+            "reqps",
+            query("A", f"sum by (engine, reason) (rate(engine_poll_failures_total{{{GW}}}[{RATE}]))",
+                  "{{reason}}: {{engine}}"),
+            query("B", f"sum by (engine) (rate(engine_state_stale_total{{{GW}}}[{RATE}]))",
+                  "went stale: {{engine}}"),
+        ))
+        .with_row(db.Row("vLLM"))
+        .with_panel(panel(
+            "vLLM preemptions",
+            "Requests vLLM preempted (KV cache exhausted; a preempted prefill is recomputed from "
+            "zero). Admission exists to keep this at zero; alert VLLMPreemptions fires on any.",
+            "short",
+            query("A", f"sum by (model_name) (increase(vllm:num_preemptions_total{{{VLLM}}}[{RATE}]))",
+                  "preempted: {{model_name}}"),
+            bars=True,
+        ))
+        .with_panel(panel(
+            "vLLM time to first token p50 / p95",
+            "From vLLM's own histogram; includes vLLM's internal queueing, not the time parked "
+            "at the gateway.",
+            "s",
+            query("A", "histogram_quantile(0.5, sum by (le, model_name) "
+                       f"(rate(vllm:time_to_first_token_seconds_bucket{{{VLLM}}}[{RATE}])))", "p50: {{model_name}}"),
+            query("B", "histogram_quantile(0.95, sum by (le, model_name) "
+                       f"(rate(vllm:time_to_first_token_seconds_bucket{{{VLLM}}}[{RATE}])))", "p95: {{model_name}}"),
+        ))
+    )
+    return json.loads(JSONEncoder(sort_keys=True).encode(dash.build()))
+
+
+def render_json() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def outputs() -> dict[Path, str]:
+    """Every generated file and the text it must hold."""
+    dashboard = render_json()
+    return {
+        DASHBOARD: dashboard,
+        CHART_FILES / "llm-admission.json": dashboard,
+        CHART_FILES / "llm-admission.rules.yml": RULES.read_text(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboards.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report stale files (exit 1 if any)")
+    args = parser.parse_args(argv)
+    stale = [path for path, text in outputs().items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"stale: {path.relative_to(ROOT)} (run: .venv/bin/python -m dashboards.generate)", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
