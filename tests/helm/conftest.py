@@ -1,0 +1,124 @@
+"""Render helm/llm-admission with Helm's own engine (helm-python-sdk: Helm v4's Go code, no binary)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in the test extras: pip install -e '.[test]'")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "llm-admission"
+RELEASE = "demo"
+NAMESPACE = "inference"
+
+# Value sets every structural test runs over: the defaults and the shapes operators will use.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "several-engines": {
+        "engines": [
+            {"name": "qwen", "url": "http://vllm-qwen:8000", "models": ["Qwen/Qwen3-32B", "qwen3"],
+             "maxInflight": 8, "kvThreshold": 0.85, "maxParkSeconds": 300},
+            {"name": "llama", "url": "http://10.0.0.7:8001", "metricsUrl": "http://10.0.0.7:9090/metrics",
+             "models": ["meta-llama/Llama-3.1-8B-Instruct"], "maxQueueDepth": 16},
+            {"name": "mistral-small", "url": "http://mistral.models.svc.cluster.local",
+             "models": ["mistralai/Mistral-Small-3.2-24B-Instruct-2506"]},
+        ],
+    },
+    "failure-mode-closed": {"admission": {"failureMode": "closed"}},
+    "custom-park-cap": {
+        "admission": {"maxParkSeconds": 30.5, "maxBodyBytes": 4194304, "maxStreams": 2048},
+        "envoy": {"firstTokenAllowanceSeconds": 120, "resources": {"limits": {"cpu": "1500m"}}},
+        "shutdown": {"inflightAllowanceSeconds": 15},
+    },
+    "monitoring-on": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "dashboard": {"namespace": "monitoring", "folder": "LLM"},
+    },
+    "minimal": {
+        "replicaCount": 1,
+        "podDisruptionBudget": {"enabled": False},
+        "dashboard": {"enabled": False},
+        "service": {"type": "LoadBalancer"},
+    },
+}
+
+
+@dataclass
+class Rendered:
+    """One rendering: every Kubernetes object, plus NOTES.txt."""
+
+    objects: list[dict[str, Any]]
+    notes: str
+    values: dict[str, Any]  # the chart's defaults coalesced with the values given
+
+    def one(self, kind: str, suffix: str = "") -> dict[str, Any]:
+        found = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+        assert len(found) == 1, f"expected one {kind} named *{suffix}, got {[o['metadata']['name'] for o in found]}"
+        return found[0]
+
+    def kinds(self) -> list[str]:
+        return sorted(o["kind"] for o in self.objects)
+
+    @property
+    def deployment(self) -> dict[str, Any]:
+        return self.one("Deployment")
+
+    def container(self, name: str) -> dict[str, Any]:
+        return next(c for c in self.deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+    def env(self) -> dict[str, str]:
+        return {e["name"]: e["value"] for e in self.container("admission")["env"]}
+
+    @property
+    def envoy_text(self) -> str:
+        return self.one("ConfigMap", "-envoy")["data"]["envoy.yaml"]
+
+    @property
+    def envoy(self) -> dict[str, Any]:
+        return yaml.safe_load(self.envoy_text)
+
+    @property
+    def engines_yaml(self) -> str:
+        return self.one("ConfigMap", "-engines")["data"]["engines.yaml"]
+
+
+class Chart:
+    def __init__(self, chart: Any) -> None:
+        self._chart = chart
+
+    def render(self, values: Mapping[str, Any] | None = None) -> Rendered:
+        out = self._chart.render(dict(values or {}), name=RELEASE, namespace=NAMESPACE)
+        objects: list[dict[str, Any]] = []
+        notes = ""
+        for path, text in sorted(out.items()):
+            if path.endswith("NOTES.txt"):
+                notes = text
+                continue
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+        return Rendered(objects, notes, self.merged(values))
+
+    def merged(self, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self._chart.merge_values(dict(values or {}))
+
+
+@pytest.fixture(scope="session")
+def chart() -> Iterator[Chart]:
+    with helm.Chart.load(str(CHART)) as loaded:
+        yield Chart(loaded)
+
+
+@pytest.fixture(scope="session", params=sorted(VALUE_SETS))
+def value_set(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param, VALUE_SETS[request.param]
+
+
+@pytest.fixture(scope="session")
+def rendered(chart: Chart, value_set: tuple[str, dict[str, Any]]) -> Rendered:
+    return chart.render(value_set[1])

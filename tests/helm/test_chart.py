@@ -1,0 +1,387 @@
+"""The chart renders, lints, validates against Kubernetes' schema, and wires the pod as designed."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from ..observability.tools import promtool  # noqa: F401  (fixture)
+from .conftest import CHART, NAMESPACE, ROOT, VALUE_SETS, Chart, Rendered, helm
+
+KUBERNETES_VERSION = "1.35.0"
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # kubernetes-validate ships no CRD schemas
+
+
+def test_lint_reports_no_warnings_or_errors_for_any_value_set() -> None:
+    for name, values in VALUE_SETS.items():
+        report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}")
+        problems = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not problems and not report["errors"], f"{name}: {problems} {report['errors']}"
+
+
+def test_every_manifest_validates_against_the_kubernetes_schema(rendered: Rendered) -> None:
+    checked = 0
+    for obj in rendered.objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+        checked += 1
+    assert checked >= 5
+
+
+def test_default_shape_is_one_deployment_with_envoy_and_the_service(chart: Chart) -> None:
+    r = chart.render()
+    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service"]
+    assert [c["name"] for c in r.deployment["spec"]["template"]["spec"]["containers"]] == ["envoy", "admission"]
+    assert r.container("envoy")["image"].startswith("envoyproxy/envoy:v1.40.")
+    assert r.container("admission")["command"][:2] == ["extproc", "serve"]
+
+
+def test_the_service_listens_for_grpc_on_loopback_only_and_for_admin_on_all_addresses(rendered: Rendered) -> None:
+    env = rendered.env()
+    assert env["EXTPROC_LISTEN"].startswith("127.0.0.1:")
+    assert env["EXTPROC_ADMIN_LISTEN"] == "0.0.0.0:9003"
+    ports = {p["name"]: p["containerPort"] for p in rendered.container("admission")["ports"]}
+    assert ports == {"admin": 9003}  # the gRPC port is not declared: nothing outside the pod uses it
+    extproc = next(c for c in rendered.envoy["static_resources"]["clusters"] if c["name"] == "extproc")
+    address = extproc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert f"{address['address']}:{address['port_value']}" == env["EXTPROC_LISTEN"]
+
+
+def test_the_inference_service_targets_envoys_listener_and_the_metrics_service_the_admin_ports(rendered: Rendered) -> None:
+    pod_ports = {p["name"]: p["containerPort"] for c in rendered.deployment["spec"]["template"]["spec"]["containers"]
+                 for p in c["ports"]}
+    services = [o for o in rendered.objects if o["kind"] == "Service"]
+    inference = next(s for s in services if not s["metadata"]["name"].endswith("-metrics"))
+    assert [p["targetPort"] for p in inference["spec"]["ports"]] == ["http"]
+    listener = rendered.envoy["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert pod_ports["http"] == listener["port_value"]
+    metrics = next(s for s in services if s["metadata"]["name"].endswith("-metrics"))
+    assert {p["targetPort"] for p in metrics["spec"]["ports"]} == {"admin", "envoy-health"}
+    pod_labels = rendered.deployment["spec"]["template"]["metadata"]["labels"]
+    for service in services:
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_probes_check_envoy_ready_and_the_service_readyz_and_healthz(rendered: Rendered) -> None:
+    envoy, service = rendered.container("envoy"), rendered.container("admission")
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "envoy-health"}
+    assert envoy["livenessProbe"]["httpGet"] == {"path": "/ready", "port": "envoy-health"}
+    assert service["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert service["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    # The health listener forwards exactly /ready and /stats/prometheus to the loopback admin API.
+    health = next(lst for lst in rendered.envoy["static_resources"]["listeners"] if lst["name"] == "envoy_health")
+    hcm = health["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["match"]["path"] for r in routes] == ["/ready", "/stats/prometheus"]
+    assert rendered.envoy["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_envoy_drains_in_prestop_and_the_grace_period_covers_the_drain(rendered: Rendered) -> None:
+    envoy, service = rendered.container("envoy"), rendered.container("admission")
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/bash", "/etc/envoy/prestop.sh"]
+    script = rendered.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
+    assert "POST '/drain_listeners?graceful&inboundonly'" in script
+    drain = int(re.search(r"deadline=\$\(\( \$\(date \+%s\) \+ (\d+) \)\)", script).group(1))
+    park = _park_cap(rendered)
+    merged_allowance = _merged(rendered)["shutdown"]["inflightAllowanceSeconds"]
+    assert drain == math.ceil(park) + merged_allowance
+    # The service keeps serving until Envoy is gone, then gets its own --grace.
+    wait = service["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[:2] == ["python", "-c"] and f"time.monotonic() + {drain + 2}" in wait[2]
+    grace = float(service["command"][service["command"].index("--grace") + 1])
+    tgps = rendered.deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert tgps >= drain + 2 + grace
+    assert tgps > park + 10
+
+
+def test_resources_have_requests_and_limits_for_both_containers(rendered: Rendered) -> None:
+    for name in ("envoy", "admission"):
+        resources = rendered.container(name)["resources"]
+        assert set(resources) == {"requests", "limits"}, name
+        assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
+
+
+@pytest.mark.parametrize(
+    ("envoy_values", "workers"),
+    [
+        ({}, 2),  # the default limit: 2 CPUs
+        ({"resources": {"limits": {"cpu": "1500m"}}}, 2),
+        ({"resources": {"limits": {"cpu": "500m"}}}, 1),
+        ({"resources": {"limits": {"cpu": 4}}}, 4),
+        ({"resources": {"limits": {"cpu": None}}, "concurrency": 3}, 3),
+        ({"concurrency": 1}, 1),
+    ],
+)
+def test_envoy_concurrency_follows_the_cpu_limit_not_the_node(chart: Chart, envoy_values: dict[str, Any], workers: int) -> None:
+    args = chart.render({"envoy": envoy_values}).container("envoy")["args"]
+    assert args[args.index("--concurrency") + 1] == str(workers)
+
+
+def test_envoy_without_a_cpu_limit_or_concurrency_is_refused(chart: Chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match="envoy.resources.limits.cpu or envoy.concurrency must be set"):
+        chart.render({"envoy": {"resources": {"limits": {"cpu": None}}}})
+
+
+def test_pod_disruption_budget_selects_the_deployments_pods(chart: Chart) -> None:
+    r = chart.render()
+    pdb = r.one("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= r.deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert "PodDisruptionBudget" not in chart.render({"podDisruptionBudget": {"enabled": False}}).kinds()
+
+
+def test_engines_config_and_env_are_accepted_by_the_service_itself(rendered: Rendered, tmp_path: Path) -> None:
+    settings = _service_settings(rendered, tmp_path)
+    merged = _merged(rendered)
+    assert [e.name for e in settings.engines] == [e["name"] for e in merged["engines"]]
+    for engine, values in zip(settings.engines, merged["engines"]):
+        assert list(engine.models) == values["models"]
+        assert engine.limits.max_park_seconds == values.get("maxParkSeconds", merged["admission"]["maxParkSeconds"])
+        assert engine.limits.kv_threshold == values.get("kvThreshold", merged["admission"]["kvThreshold"])
+        assert engine.limits.max_inflight == values.get("maxInflight", merged["admission"]["maxInflight"])
+        assert engine.limits.max_queue_depth == values.get("maxQueueDepth", merged["admission"]["maxQueueDepth"])
+    assert settings.max_body_bytes == merged["admission"]["maxBodyBytes"]
+    assert settings.max_streams == merged["admission"]["maxStreams"]
+
+
+def test_rendered_envoy_config_is_exactly_what_the_service_generator_builds(rendered: Rendered, tmp_path: Path) -> None:
+    """The chart's template and extproc/envoyconf.py make the same choices, field for field."""
+    from extproc.envoyconf import build_envoy_config
+
+    settings = _service_settings(rendered, tmp_path)
+    merged = _merged(rendered)
+    expected = build_envoy_config(
+        settings,
+        listen_host="0.0.0.0", listen_port=merged["envoy"]["port"],
+        admin_host="127.0.0.1", admin_port=merged["envoy"]["adminPort"],
+        extproc_host="127.0.0.1", extproc_port=merged["admission"]["grpcPort"],
+        failure_mode=merged["admission"]["failureMode"],
+        stream_idle_timeout=settings.max_park_seconds + merged["envoy"]["firstTokenAllowanceSeconds"],
+    )
+    got = rendered.envoy
+    # The chart's only addition: the health listener and the admin cluster it forwards to.
+    resources = got["static_resources"]
+    resources["listeners"] = [lst for lst in resources["listeners"] if lst["name"] != "envoy_health"]
+    resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "envoy_admin"]
+    assert got == expected
+
+
+def test_envoy_accepts_the_rendered_config(rendered: Rendered, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(rendered.envoy_text)
+    envoy = Path(sys.executable).parent / "envoy"
+    result = subprocess.run([str(envoy), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"configuration '{path}' OK" in result.stdout
+
+
+@pytest.mark.parametrize("park", [1, 30.5, 120, 300, 3600])
+def test_timeouts_follow_the_park_cap(chart: Chart, park: float) -> None:
+    r = chart.render({"admission": {"maxParkSeconds": park}})
+    hcm = _hcm(r.envoy)
+    ext_proc = hcm["http_filters"][0]["typed_config"]
+    assert hcm["stream_idle_timeout"] == f"{math.ceil(park) + 600}s"
+    assert ext_proc["message_timeout"] == "1s"
+    assert ext_proc["max_message_timeout"] == f"{math.ceil(park + 10)}s"
+    # The service parks with one override of park cap + 5 s: it must fit under both limits.
+    assert _seconds(ext_proc["max_message_timeout"]) >= park + 5
+    assert _seconds(hcm["stream_idle_timeout"]) > park + 5
+    assert all(route["route"]["timeout"] == "0s" for route in hcm["route_config"]["virtual_hosts"][0]["routes"])
+    assert r.env()["ADMISSION_MAX_PARK_SECONDS"] == f"{park:g}"
+
+
+def test_the_longest_per_engine_park_cap_sizes_envoys_timeouts(chart: Chart) -> None:
+    r = chart.render(VALUE_SETS["several-engines"])  # qwen parks up to 300 s, the others 120 s
+    ext_proc = _hcm(r.envoy)["http_filters"][0]["typed_config"]
+    assert ext_proc["max_message_timeout"] == "310s"
+    assert _hcm(r.envoy)["stream_idle_timeout"] == "900s"
+
+
+def test_processing_mode_and_buffer_limit_match_the_body_cap(chart: Chart) -> None:
+    r = chart.render({"admission": {"maxBodyBytes": 2 * 1024 * 1024}})
+    listener = r.envoy["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 2097152
+    assert r.env()["MAX_BODY_BYTES"] == "2097152"
+    ext_proc = _hcm(r.envoy)["http_filters"][0]["typed_config"]
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SEND", "response_header_mode": "SKIP", "request_body_mode": "BUFFERED_PARTIAL",
+        "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP",
+    }
+    assert ext_proc["allow_mode_override"] is True
+
+
+def test_failure_mode_open_forwards_and_closed_answers_503(chart: Chart) -> None:
+    opened = _hcm(chart.render().envoy)["http_filters"][0]["typed_config"]
+    assert opened["failure_mode_allow"] is True and "status_on_error" not in opened
+    closed = _hcm(chart.render(VALUE_SETS["failure-mode-closed"]).envoy)["http_filters"][0]["typed_config"]
+    assert closed["failure_mode_allow"] is False and closed["status_on_error"] == {"code": 503}
+
+
+def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) -> None:
+    r = chart.render(VALUE_SETS["several-engines"])
+    clusters = {c["name"]: c for c in r.envoy["static_resources"]["clusters"]}
+    assert {"engine_qwen", "engine_llama", "engine_mistral-small"} <= set(clusters)
+    assert clusters["engine_llama"]["type"] == "STATIC"  # an IP address
+    assert clusters["engine_qwen"]["type"] == "STRICT_DNS"
+    mistral = clusters["engine_mistral-small"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert mistral["endpoint"]["address"]["socket_address"] == {"address": "mistral.models.svc.cluster.local", "port_value": 80}
+    routes = _hcm(r.envoy)["route_config"]["virtual_hosts"][0]["routes"]
+    assert [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"), rt["route"]["cluster"]) for rt in routes] == [
+        ("qwen", "engine_qwen"), ("llama", "engine_llama"), ("mistral-small", "engine_mistral-small"), (None, "engine_qwen"),
+    ]
+    assert all(rt["match"].get("headers", [{}])[0].get("name", "x-admission-engine") == "x-admission-engine" for rt in routes)
+    # One engine: a single route, no header match (the service sets no header).
+    single = _hcm(chart.render().envoy)["route_config"]["virtual_hosts"][0]["routes"]
+    assert single == [{"match": {"prefix": "/"}, "route": {"cluster": "engine_vllm", "timeout": "0s"}}]
+
+
+def test_ext_proc_cluster_is_http2_with_circuit_breakers_at_max_streams(chart: Chart) -> None:
+    r = chart.render({"admission": {"maxStreams": 4096}})
+    extproc = next(c for c in r.envoy["static_resources"]["clusters"] if c["name"] == "extproc")
+    options = extproc["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] == 4096
+    assert extproc["circuit_breakers"]["thresholds"][0]["max_requests"] == 4096
+    assert r.env()["EXTPROC_MAX_STREAMS"] == "4096"
+
+
+def test_a_config_change_rolls_the_pods(chart: Chart) -> None:
+    before = chart.render().deployment["spec"]["template"]["metadata"]["annotations"]
+    after = chart.render({"admission": {"maxParkSeconds": 60}}).deployment["spec"]["template"]["metadata"]["annotations"]
+    assert before["checksum/envoy"] != after["checksum/envoy"]
+    models = chart.render({"engines": [{"name": "vllm", "url": "http://vllm:8000", "models": ["other"]}]})
+    assert before["checksum/engines"] != models.deployment["spec"]["template"]["metadata"]["annotations"]["checksum/engines"]
+
+
+def test_service_monitor_and_prometheus_rule_are_off_by_default(chart: Chart) -> None:
+    assert not CRD_KINDS & set(chart.render().kinds())
+
+
+def test_service_monitor_scrapes_the_admin_port_with_the_job_the_alerts_expect(chart: Chart) -> None:
+    r = chart.render(VALUE_SETS["monitoring-on"])
+    monitor = r.one("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    metrics = r.one("Service", "-metrics")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    admin = monitor["spec"]["endpoints"][0]
+    assert admin["port"] in {p["name"] for p in metrics["spec"]["ports"]} and admin["path"] == "/metrics"
+    assert {"targetLabel": "job", "replacement": "llm-admission"} in admin["relabelings"]
+    rules = yaml.safe_load((ROOT / "alerts" / "llm-admission.rules.yml").read_text())
+    assert 'up{job="llm-admission"}' in next(r["expr"] for r in rules["groups"][0]["rules"] if r["alert"] == "LLMAdmissionServiceDown")
+
+
+def test_prometheus_rule_carries_the_checked_rules_file(chart: Chart, tmp_path: Path, promtool: str) -> None:
+    rule = chart.render(VALUE_SETS["monitoring-on"]).one("PrometheusRule")
+    source = yaml.safe_load((ROOT / "alerts" / "llm-admission.rules.yml").read_text())
+    assert rule["spec"] == source
+    path = tmp_path / "from-chart.rules.yml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_configmap_has_the_sidecar_label_and_the_committed_dashboard(chart: Chart) -> None:
+    r = chart.render(VALUE_SETS["monitoring-on"])
+    cm = r.one("ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"]["grafana_folder"] == "LLM"
+    assert cm["data"]["llm-admission.json"] == (ROOT / "dashboards" / "llm-admission.json").read_text().rstrip("\n")
+    assert "ConfigMap" not in [o["kind"] for o in chart.render({"dashboard": {"enabled": False}}).objects
+                               if o["metadata"]["name"].endswith("-dashboard")]
+
+
+def test_notes_tell_how_to_send_a_first_request_and_where_the_dashboard_is(chart: Chart) -> None:
+    notes = chart.render(VALUE_SETS["several-engines"]).notes
+    assert "kubectl -n inference port-forward svc/demo-llm-admission 8080:8080" in notes
+    assert "curl -si http://127.0.0.1:8080/v1/chat/completions" in notes
+    assert '"model": "Qwen/Qwen3-32B"' in notes
+    assert 'Grafana dashboard "LLM admission"' in notes and "inference/demo-llm-admission-dashboard" in notes
+    assert "prometheusRule.enabled=true" in notes
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"admission": {"maxParkSeconds": -5}}, "at '/admission/maxParkSeconds': exclusiveMinimum: got -5, want 0"),
+        ({"admission": {"maxParkSeconds": 0}}, "at '/admission/maxParkSeconds': exclusiveMinimum: got 0, want 0"),
+        ({"admission": {"kvThreshold": 2}}, "at '/admission/kvThreshold': maximum: got 2, want 1"),
+        ({"admission": {"failureMode": "sometimes"}}, "at '/admission/failureMode': value must be one of 'open', 'closed'"),
+        ({"admission": {"maxInflight": 0}}, "at '/admission/maxInflight': minimum: got 0, want 1"),
+        ({"admission": {"maxBodyBytes": 100}}, "at '/admission/maxBodyBytes': minimum: got 100, want 1,024"),
+        ({"admission": {"gatedPaths": ["v1/chat/completions"]}}, "at '/admission/gatedPaths/0'"),
+        ({"admision": {"maxInflight": 4}}, "additional properties 'admision' not allowed"),
+        ({"engines": []}, "at '/engines': minItems: got 0, want 1"),
+        ({"engines": [{"name": "Qwen 3", "url": "http://q:8000", "models": ["q"]}]}, "at '/engines/0/name'"),
+        ({"engines": [{"name": "q", "url": "https://q:8443", "models": ["q"]}]}, "at '/engines/0/url'"),
+        ({"engines": [{"name": "q", "url": "http://q:8000", "models": []}]}, "at '/engines/0/models': minItems"),
+        ({"engines": [{"name": "q", "url": "http://q:8000"}]}, "at '/engines/0': missing property 'models'"),
+        ({"engines": [{"name": "q", "url": "http://q:8000", "models": ["q"], "kvThreshold": 0}]},
+         "at '/engines/0/kvThreshold': exclusiveMinimum"),
+        ({"envoy": {"firstTokenAllowanceSeconds": 5}}, "at '/envoy/firstTokenAllowanceSeconds': exclusiveMinimum"),
+        ({"shape": "shared"}, "at '/shape': value must be 'sidecar'"),
+    ],
+)
+def test_schema_rejects_bad_values_naming_the_key(chart: Chart, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as excinfo:
+        chart.render(values)
+    assert message in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    ("engines", "message"),
+    [
+        ([{"name": "a", "url": "http://a:1", "models": ["m"]}, {"name": "a", "url": "http://b:1", "models": ["n"]}],
+         'engines: name "a" is used twice'),
+        ([{"name": "a", "url": "http://a:1", "models": ["m"]}, {"name": "b", "url": "http://b:1", "models": ["m"]}],
+         'model "m" is listed for engines "a" and "b"'),
+    ],
+)
+def test_engines_the_service_would_refuse_are_refused_at_render(chart: Chart, engines: list[dict[str, Any]], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render({"engines": engines})
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _merged(rendered: Rendered) -> dict[str, Any]:
+    return rendered.values
+
+
+def _hcm(envoy: dict[str, Any]) -> dict[str, Any]:
+    return envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _seconds(text: str) -> float:
+    assert text.endswith("s")
+    return float(text[:-1])
+
+
+def _park_cap(rendered: Rendered) -> float:
+    merged = _merged(rendered)
+    return max(e.get("maxParkSeconds", merged["admission"]["maxParkSeconds"]) for e in merged["engines"])
+
+
+def _service_settings(rendered: Rendered, tmp_path: Path) -> Any:
+    """Load the rendered env + engines file with the service's own config loader."""
+    from extproc.config import load_settings
+
+    path = tmp_path / "engines.yaml"
+    path.write_text(rendered.engines_yaml)
+    env = rendered.env()
+    env["EXTPROC_CONFIG"] = str(path)
+    return load_settings(env)
