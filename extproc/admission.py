@@ -34,9 +34,10 @@ class Admission:
     def __init__(self, settings: Settings, metrics: Metrics, clock: Callable[[], float] | None = None) -> None:
         self._metrics = metrics
         self._clock = clock
-        self._waiters: dict[Ticket, asyncio.Future[Outcome]] = {}
+        self._waiters: dict[Ticket, asyncio.Future[Decision]] = {}
         self._engines: dict[str, _Engine] = {}
         self._closing = False
+        self._retry_after = settings.retry_after_seconds
         for engine in settings.engines:
             limits = GateLimits(
                 max_inflight=engine.limits.max_inflight,
@@ -46,6 +47,10 @@ class Admission:
                 stale_after_polls=settings.stale_after_polls,
                 local_accounting=settings.local_accounting,
                 scrape_grace_seconds=settings.scrape_grace_seconds,
+                kv_budget=settings.kv_budget,
+                kv_capacity_override=engine.limits.kv_capacity_tokens,
+                backfill=settings.backfill,
+                retry_after_seconds=settings.retry_after_seconds,
             )
             self._engines[engine.name] = _Engine(engine, EngineGate(limits))
             self._publish(engine.name)
@@ -58,12 +63,12 @@ class Admission:
 
     # --- request side ---------------------------------------------------------------------
 
-    def arrive(self, engine: str, model: str) -> Decision:
+    def arrive(self, engine: str, model: str, tokens: int = 0) -> Decision:
         """Register a gated request; PARKED decisions are followed up through `wait`."""
         now = self.now()
-        ticket = Ticket(model=model, arrived=now)
+        ticket = Ticket(model=model, arrived=now, tokens=tokens)
         if self._closing:
-            decision = Decision(ticket, Outcome.SHUTTING_DOWN)
+            decision = Decision(ticket, Outcome.SHUTTING_DOWN, self._retry_after)
         else:
             decision = self._engines[engine].gate.arrive(ticket, now)
         if decision.outcome is Outcome.PARKED:
@@ -75,7 +80,7 @@ class Admission:
         self._publish(engine)
         return decision
 
-    async def wait(self, engine: str, ticket: Ticket) -> Outcome:
+    async def wait(self, engine: str, ticket: Ticket) -> Decision:
         """Wait for a parked ticket's outcome. Cancellation means the client went away."""
         future = self._waiters[ticket]
         try:
@@ -122,7 +127,7 @@ class Admission:
             future = self._waiters.pop(decision.ticket, None)
             self._record(engine, decision, parked=True)
             if future is not None and not future.done():
-                future.set_result(decision.outcome)
+                future.set_result(decision)
         self._arm_timer(engine)
         self._publish(engine)
 
@@ -148,6 +153,8 @@ class Admission:
         outcome, ticket = decision.outcome, decision.ticket
         if outcome.admits:
             self._metrics.admitted.labels(engine, ticket.model, outcome.value).inc()
+            if ticket.backfilled:
+                self._metrics.backfilled.labels(engine, ticket.model).inc()
         else:
             self._metrics.rejected.labels(engine, ticket.model, outcome.value).inc()
         if parked:
@@ -161,3 +168,6 @@ class Admission:
         load = gate.effective_load()
         self._metrics.effective_load.labels(engine).set(load if load is not None else float("nan"))
         self._metrics.stale.labels(engine).set(1 if gate.state is EngineState.STALE else 0)
+        self._metrics.kv_reserved.labels(engine).set(gate.reserved_tokens)
+        available = gate.available_tokens()
+        self._metrics.kv_available.labels(engine).set(available if available is not None else float("nan"))

@@ -36,6 +36,7 @@ class EngineLimits:
     kv_threshold: float
     max_queue_depth: int
     max_park_seconds: float
+    kv_capacity_tokens: int | None = None  # used when the engine exposes no vllm:cache_config_info
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class Settings:
     retry_after_seconds: int
     scrape_grace_seconds: float
     local_accounting: bool
+    kv_budget: bool
+    backfill: bool
+    bytes_per_token: float
+    estimate_safety_factor: float
+    default_max_tokens: int
     gated_paths: tuple[str, ...]
     engines: tuple[EngineConfig, ...]
     max_streams: int
@@ -99,6 +105,11 @@ class Settings:
             "retry_after_s": self.retry_after_seconds,
             "scrape_grace_s": self.scrape_grace_seconds,
             "local_accounting": self.local_accounting,
+            "kv_budget": self.kv_budget and self.local_accounting,
+            "backfill": self.backfill,
+            "bytes_per_token": self.bytes_per_token,
+            "estimate_safety_factor": self.estimate_safety_factor,
+            "default_max_tokens": self.default_max_tokens,
             "gated_paths": list(self.gated_paths),
             "gating": self.gating,
             "config_file": self.config_file,
@@ -112,6 +123,7 @@ class Settings:
                     "kv_threshold": e.limits.kv_threshold,
                     "max_queue_depth": e.limits.max_queue_depth,
                     "max_park_seconds": e.limits.max_park_seconds,
+                    "kv_capacity_tokens": e.limits.kv_capacity_tokens or "from vllm:cache_config_info",
                 }
                 for e in self.engines
             ],
@@ -178,7 +190,10 @@ def _engine_url(name: str, raw: str) -> tuple[str, str, int]:
 
 
 _ENGINE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,40}[a-z0-9])?$")
-_ENGINE_KEYS = {"name", "url", "metrics_url", "models", "max_inflight", "kv_threshold", "max_queue_depth", "max_park_seconds"}
+_ENGINE_KEYS = {
+    "name", "url", "metrics_url", "models", "max_inflight", "kv_threshold", "max_queue_depth", "max_park_seconds",
+    "kv_capacity_tokens",
+}
 
 
 def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | None) -> EngineLimits:
@@ -200,7 +215,10 @@ def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | Non
     depth = _int(*got, 0) if got else (d.max_queue_depth if d else 8)
     got = pick("max_park_seconds", "ADMISSION_MAX_PARK_SECONDS")
     park = _float(*got, 0.0, 3600.0, low_open=True) if got else (d.max_park_seconds if d else 120.0)
-    return EngineLimits(max_inflight=max_inflight, kv_threshold=kv, max_queue_depth=depth, max_park_seconds=park)
+    got = pick("kv_capacity_tokens", "ADMISSION_KV_CAPACITY_TOKENS")
+    capacity = _int(*got, 1) if got else (d.kv_capacity_tokens if d else None)
+    return EngineLimits(max_inflight=max_inflight, kv_threshold=kv, max_queue_depth=depth, max_park_seconds=park,
+                        kv_capacity_tokens=capacity)
 
 
 def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits) -> tuple[EngineConfig, ...]:
@@ -297,6 +315,12 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         retry_after_seconds=_int("ADMISSION_RETRY_AFTER_SECONDS", opt("ADMISSION_RETRY_AFTER_SECONDS", "5"), 1),
         scrape_grace_seconds=_float("ADMISSION_SCRAPE_GRACE_SECONDS", opt("ADMISSION_SCRAPE_GRACE_SECONDS", "0.5"), 0.0, 60.0),
         local_accounting=_bool("ADMISSION_LOCAL_ACCOUNTING", opt("ADMISSION_LOCAL_ACCOUNTING", "true")),
+        kv_budget=_bool("ADMISSION_KV_BUDGET", opt("ADMISSION_KV_BUDGET", "true")),
+        backfill=_bool("ADMISSION_BACKFILL", opt("ADMISSION_BACKFILL", "true")),
+        bytes_per_token=_float("ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "4"), 0.0, 64.0, low_open=True),
+        estimate_safety_factor=_float(
+            "ADMISSION_ESTIMATE_SAFETY_FACTOR", opt("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"), 0.5, 4.0),
+        default_max_tokens=_int("ADMISSION_DEFAULT_MAX_TOKENS", opt("ADMISSION_DEFAULT_MAX_TOKENS", "1024"), 0),
         gated_paths=gated,
         engines=engines,
         max_streams=_int("EXTPROC_MAX_STREAMS", opt("EXTPROC_MAX_STREAMS", "10000"), 16),

@@ -44,6 +44,7 @@ class EngineGauges:
     waiting: int
     kv_usage: float
     capacity_tokens: int | None
+    block_size: int | None
     ranks: int
 
 
@@ -53,6 +54,7 @@ def parse_engine_metrics(text: str) -> EngineGauges:
     values: dict[str, list[float]] = {RUNNING: [], WAITING: [], KV_USAGE: [], KV_USAGE_LEGACY: []}
     capacity = 0
     capacity_known = False
+    block_size: int | None = None
     try:
         for family in text_string_to_metric_families(kept + "\n" if kept else ""):
             for sample in family.samples:
@@ -63,6 +65,7 @@ def parse_engine_metrics(text: str) -> EngineGauges:
                     if blocks and size and blocks.isdigit() and size.isdigit():
                         capacity += int(blocks) * int(size)
                         capacity_known = True
+                        block_size = int(size)
     except ValueError as exc:
         raise MetricsFormatError(f"unparsable exposition: {exc}") from None
     if not values[KV_USAGE]:
@@ -78,5 +81,6 @@ def parse_engine_metrics(text: str) -> EngineGauges:
         waiting=round(sum(values[WAITING])),
         kv_usage=max(values[KV_USAGE]),
         capacity_tokens=capacity if capacity_known else None,
+        block_size=block_size,
         ranks=len(values[RUNNING]),
     )

@@ -3,7 +3,8 @@
 Rules (DESIGN.md "Admission semantics"):
 - The gate is closed while the engine's KV usage >= the threshold, or while its load
   (running + waiting) >= max in-flight. Closed means park; open means admit.
-- Parked requests form one FIFO per engine. A new arrival never overtakes the queue.
+- Parked requests form one FIFO per engine. A new arrival never overtakes the queue, except
+  by backfill (below).
 - The park is bounded twice: by length (`max_queue_depth`; the next arrival is rejected at
   once) and by time (`max_park_seconds`; then the request is rejected with Retry-After).
 - Engine state that is unknown (no successful poll yet) or stale (`stale_after_polls`
@@ -16,16 +17,49 @@ for what the last scrape could not know:
 - a request this replica admitted before that point and that finished after the scrape began is
   subtracted (the scrape counted it, but its slot is free now). This is what lets a local
   completion wake the head of the queue at once instead of on the next poll.
+
+KV-token budget (`kv_budget`, needs local accounting). The KV gauge lags: a 65k-token prompt
+admitted at 0% fills the cache over its whole prefill. So every admitted request reserves its
+estimated cost (prompt + generation allowance, rounded up to blocks) until its stream ends, and a
+request is admitted only if its cost fits:
+
+    available = capacity - others - reserved
+    others    = max(0, used - reserved_seen)    # usage this replica's requests cannot explain
+
+`used` is the last scrape's KV usage x capacity; `reserved_seen` is what this replica had
+reserved for requests the scrape could see (including ones finished since); `reserved` is what
+it holds now. Our own requests' allocation is inside their reservation, so only the rest of the
+observed usage is charged again. With one gate in front of an engine this is an exact budget
+(given the estimates); with several independent gates each one's unallocated reservations are
+invisible to the others until they show in the gauge, so the cap is soft, as the reference
+design accepted. A request whose cost exceeds the whole capacity can never fit: it is rejected
+at once instead of parked.
+
+Head-of-line policy: when the head is blocked by the KV budget alone (it has a slot, but not
+enough free KV), a later request may be admitted ahead of it (backfill) if it fits now AND the
+head would still fit once the largest reservation in flight is released, with the backfilled
+request still running: so backfill never uses the KV the head is waiting for. The head's own
+wait is bounded by the park cap; backfill stops once it has waited `backfill_patience` of it.
+
+Retry-After comes from the measured completion rate of this gate's admitted requests: a request
+at queue position p expects to wait p / rate. When that already exceeds the park cap, it is
+rejected at once with that Retry-After instead of being held for the whole cap.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from .outcomes import Outcome
+
+DEFAULT_BLOCK_SIZE = 16
+RETRY_AFTER_MIN_SECONDS = 1
+RETRY_AFTER_MAX_SECONDS = 60
+RATE_WINDOW = 32  # completions kept to measure the completion rate
 
 
 @dataclass(frozen=True)
@@ -37,6 +71,11 @@ class GateLimits:
     stale_after_polls: int = 3
     local_accounting: bool = True
     scrape_grace_seconds: float = 0.5
+    kv_budget: bool = False
+    kv_capacity_override: int | None = None  # tokens, when the engine does not say
+    backfill: bool = True
+    backfill_patience: float = 0.5  # fraction of the park cap after which the head is not bypassed
+    retry_after_seconds: int = 5  # fallback when no completion rate is known yet
 
 
 @dataclass(frozen=True)
@@ -48,6 +87,7 @@ class EngineSnapshot:
     kv_usage: float  # fraction 0..1
     scrape_started: float  # clock time at which the scrape request was sent
     capacity_tokens: int | None = None
+    block_size: int | None = None
 
 
 class EngineState(enum.StrEnum):
@@ -72,20 +112,31 @@ class Ticket:
 
     model: str
     arrived: float
+    tokens: int = 0  # estimated KV need (prompt + generation allowance), before block rounding
     id: int = field(default_factory=lambda: next(_ids))
     state: TicketState = TicketState.NEW
     park_deadline: float | None = None
     admitted_at: float | None = None
     counted: bool = False  # whether this ticket is in the local ledger (admitted while gated)
+    reserved: int = 0  # KV tokens reserved while admitted (block-rounded `tokens`)
+    backfilled: bool = False
 
     def __repr__(self) -> str:
-        return f"<Ticket #{self.id} {self.model} {self.state}>"
+        return f"<Ticket #{self.id} {self.model} {self.state} {self.tokens}t>"
 
 
 @dataclass(frozen=True)
 class Decision:
     ticket: Ticket
     outcome: Outcome
+    retry_after: int | None = None  # seconds, for rejections the client should retry
+
+
+@dataclass(frozen=True)
+class _Finished:
+    admitted_at: float
+    finished_at: float
+    reserved: int
 
 
 class EngineGate:
@@ -93,12 +144,13 @@ class EngineGate:
 
     def __init__(self, limits: GateLimits) -> None:
         self.limits = limits
+        self._budgeting = limits.kv_budget and limits.local_accounting
         self._snapshot: EngineSnapshot | None = None
         self._failed_polls = 0
         self._queue: deque[Ticket] = deque()
         self._inflight: set[Ticket] = set()  # admitted by this replica, stream still open
-        # (admitted_at, finished_at) of local tickets that finished after the last scrape began
-        self._finished: list[tuple[float, float]] = []
+        self._finished: list[_Finished] = []  # local tickets that finished after the last scrape began
+        self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
 
     # --- views ----------------------------------------------------------------------------
 
@@ -123,6 +175,28 @@ class EngineGate:
     def queued(self) -> tuple[Ticket, ...]:
         return tuple(self._queue)
 
+    @property
+    def capacity_tokens(self) -> int | None:
+        """KV capacity in tokens: the engine's own figure, else the configured override."""
+        snap = self._snapshot
+        if snap is not None and snap.capacity_tokens:
+            return snap.capacity_tokens
+        return self.limits.kv_capacity_override
+
+    @property
+    def block_size(self) -> int:
+        snap = self._snapshot
+        return snap.block_size if snap is not None and snap.block_size else DEFAULT_BLOCK_SIZE
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(t.reserved for t in self._inflight)
+
+    def cost(self, ticket: Ticket) -> int:
+        """The ticket's KV reservation: its estimate rounded up to whole blocks."""
+        block = self.block_size
+        return math.ceil(ticket.tokens / block) * block
+
     def effective_load(self) -> int | None:
         """running + waiting as the gate believes it now, or None without a usable snapshot."""
         snap = self._snapshot
@@ -133,11 +207,25 @@ class EngineGate:
             return load
         seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
         unseen = sum(1 for t in self._inflight if t.admitted_at is not None and t.admitted_at >= seen_before)
-        freed = sum(1 for admitted, _ in self._finished if admitted < seen_before)
+        freed = sum(1 for f in self._finished if f.admitted_at < seen_before)
         return max(0, load - freed) + unseen
 
-    def is_open(self) -> bool:
-        """Whether a request arriving now would be admitted (ignoring the queue)."""
+    def available_tokens(self) -> int | None:
+        """Free KV tokens for new admissions, or None when the budget does not apply."""
+        capacity = self.capacity_tokens
+        snap = self._snapshot
+        if not self._budgeting or capacity is None or snap is None or self.state is not EngineState.FRESH:
+            return None
+        seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
+        reserved_seen = sum(
+            t.reserved for t in self._inflight if t.admitted_at is not None and t.admitted_at < seen_before
+        ) + sum(f.reserved for f in self._finished if f.admitted_at < seen_before)
+        used = snap.kv_usage * capacity
+        others = max(0.0, used - reserved_seen)
+        return math.floor(capacity - others - self.reserved_tokens)
+
+    def _slot_open(self) -> bool:
+        """The reference gates: KV threshold and running + waiting."""
         if self.state is not EngineState.FRESH:
             return True
         snap = self._snapshot
@@ -146,20 +234,67 @@ class EngineGate:
         assert load is not None
         return snap.kv_usage < self.limits.kv_threshold and load < self.limits.max_inflight
 
+    def fits(self, ticket: Ticket | None = None) -> bool:
+        """Whether `ticket` (or a zero-cost request) would be admitted now, ignoring the queue."""
+        if not self._slot_open():
+            return False
+        available = self.available_tokens()
+        return available is None or ticket is None or self.cost(ticket) <= available
+
+    def is_open(self) -> bool:
+        """Whether a request arriving now would be admitted (ignoring the queue and its size)."""
+        return self.fits(None)
+
+    def never_fits(self, ticket: Ticket) -> bool:
+        """Whether `ticket` needs more KV than the engine has at all."""
+        capacity = self.capacity_tokens
+        return self._budgeting and capacity is not None and self.cost(ticket) > capacity
+
     def next_deadline(self) -> float | None:
         """The earliest park deadline (the queue is FIFO with one park cap, so it is the head's)."""
         return self._queue[0].park_deadline if self._queue else None
 
+    def completion_rate(self) -> float | None:
+        """Completions per second of this gate's admitted requests, over the recent window."""
+        if len(self._completions) < 2:
+            return None
+        span = self._completions[-1] - self._completions[0]
+        return (len(self._completions) - 1) / span if span > 0 else None
+
+    def expected_wait(self, position: int) -> float | None:
+        """Seconds until a request at queue `position` (1 = head) is likely admitted."""
+        rate = self.completion_rate()
+        return position / rate if rate else None
+
+    def retry_after(self, position: int) -> int:
+        """An honest Retry-After for a request turned away at queue `position`."""
+        wait = self.expected_wait(position)
+        if wait is None:
+            return self.limits.retry_after_seconds
+        return int(min(RETRY_AFTER_MAX_SECONDS, max(RETRY_AFTER_MIN_SECONDS, math.ceil(wait))))
+
     # --- events ---------------------------------------------------------------------------
 
     def arrive(self, ticket: Ticket, now: float) -> Decision:
-        """A gated request arrives: admit it, park it, or reject it because the park is full."""
-        if not self._queue and self.is_open():
-            outcome = Outcome.ADMITTED if self.state is EngineState.FRESH else Outcome.ADMITTED_FAIL_OPEN
-            return self._admit(ticket, now, outcome)
+        """A gated request arrives: admit it, park it, or reject it at once."""
+        if self.state is not EngineState.FRESH:
+            return self._admit(ticket, now, Outcome.ADMITTED_FAIL_OPEN)
+        if self.never_fits(ticket):
+            ticket.state = TicketState.DONE
+            return Decision(ticket, Outcome.EXCEEDS_KV_CAPACITY)
+        if not self._queue and self.fits(ticket):
+            return self._admit(ticket, now, Outcome.ADMITTED)
+        if self._queue and self._may_backfill(ticket, now):
+            ticket.backfilled = True
+            return self._admit(ticket, now, Outcome.ADMITTED)
+        position = len(self._queue) + 1
         if len(self._queue) >= self.limits.max_queue_depth:
             ticket.state = TicketState.DONE
-            return Decision(ticket, Outcome.QUEUE_FULL)
+            return Decision(ticket, Outcome.QUEUE_FULL, self.retry_after(position))
+        wait = self.expected_wait(position)
+        if wait is not None and wait > self.limits.max_park_seconds:
+            ticket.state = TicketState.DONE
+            return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, self.retry_after(position))
         ticket.state = TicketState.PARKED
         ticket.park_deadline = now + self.limits.max_park_seconds
         self._queue.append(ticket)
@@ -169,7 +304,7 @@ class EngineGate:
         """A poll succeeded: take the new snapshot and release whoever now fits."""
         self._snapshot = snapshot
         self._failed_polls = 0
-        self._finished = [f for f in self._finished if f[1] >= snapshot.scrape_started]
+        self._finished = [f for f in self._finished if f.finished_at >= snapshot.scrape_started]
         return self._release(now)
 
     def poll_failed(self, now: float) -> list[Decision]:
@@ -178,15 +313,16 @@ class EngineGate:
         return self._release(now)
 
     def finish(self, ticket: Ticket, now: float) -> list[Decision]:
-        """An admitted request's stream ended: free its slot at once and re-check the queue head."""
+        """An admitted request's stream ended: free its slot and KV at once, re-check the queue."""
         if ticket.state is not TicketState.ADMITTED:
             return []
         ticket.state = TicketState.DONE
         if ticket in self._inflight:
             self._inflight.discard(ticket)
+            self._completions.append(now)
             assert ticket.admitted_at is not None
             if self.state is EngineState.FRESH:  # otherwise the next good scrape sees the truth
-                self._finished.append((ticket.admitted_at, now))
+                self._finished.append(_Finished(ticket.admitted_at, now, ticket.reserved))
         return self._release(now)
 
     def abandon(self, ticket: Ticket, now: float) -> Decision | None:
@@ -203,12 +339,12 @@ class EngineGate:
         while self._queue and self._queue[0].park_deadline is not None and self._queue[0].park_deadline <= now:
             ticket = self._queue.popleft()
             ticket.state = TicketState.DONE
-            expired.append(Decision(ticket, Outcome.PARK_TIMEOUT))
+            expired.append(Decision(ticket, Outcome.PARK_TIMEOUT, self.retry_after(len(self._queue) + 1)))
         return expired
 
     def drain(self, outcome: Outcome) -> list[Decision]:
         """Answer every parked request with `outcome` (used at shutdown)."""
-        drained = [Decision(t, outcome) for t in self._queue]
+        drained = [Decision(t, outcome, self.limits.retry_after_seconds) for t in self._queue]
         for t in self._queue:
             t.state = TicketState.DONE
         self._queue.clear()
@@ -222,13 +358,37 @@ class EngineGate:
         ticket.park_deadline = None
         if outcome is not Outcome.ADMITTED_FAIL_OPEN:
             ticket.counted = True
+            ticket.reserved = self.cost(ticket) if self._budgeting else 0
             self._inflight.add(ticket)
         return Decision(ticket, outcome)
 
+    def _may_backfill(self, ticket: Ticket, now: float) -> bool:
+        """Whether `ticket` may pass the queue head without delaying it (see module docstring)."""
+        if not (self.limits.backfill and self._budgeting and self._queue):
+            return False
+        head = self._queue[0]
+        available = self.available_tokens()
+        if available is None or not self._slot_open() or self.cost(head) <= available:
+            return False  # the head is not blocked by KV alone: plain FIFO
+        if now - head.arrived >= self.limits.backfill_patience * self.limits.max_park_seconds:
+            return False
+        cost = self.cost(ticket)
+        largest = max((t.reserved for t in self._inflight), default=0)
+        return cost <= available and available - cost + largest >= self.cost(head)
+
     def _release(self, now: float) -> list[Decision]:
         released: list[Decision] = []
-        while self._queue and self.is_open():
-            ticket = self._queue.popleft()
-            outcome = Outcome.ADMITTED_AFTER_PARK if self.state is EngineState.FRESH else Outcome.ADMITTED_FAIL_OPEN
-            released.append(self._admit(ticket, now, outcome))
+        if self.state is not EngineState.FRESH:
+            while self._queue:
+                released.append(self._admit(self._queue.popleft(), now, Outcome.ADMITTED_FAIL_OPEN))
+            return released
+        while self._queue and self.fits(self._queue[0]):
+            released.append(self._admit(self._queue.popleft(), now, Outcome.ADMITTED_AFTER_PARK))
+        for ticket in list(self._queue)[1:]:
+            if not self._slot_open():
+                break
+            if self._may_backfill(ticket, now):
+                self._queue.remove(ticket)
+                ticket.backfilled = True
+                released.append(self._admit(ticket, now, Outcome.ADMITTED_AFTER_PARK))
         return released

@@ -37,6 +37,20 @@ class Metrics:
             "admission_decision_latency_seconds",
             "Service time to answer Envoy's body message, excluding time parked.",
             ["engine", "outcome"], buckets=_DECISION_BUCKETS, registry=r)
+        self.backfilled = Counter(
+            "admission_backfilled", "Requests admitted ahead of a queue head that was waiting for KV (backfill).",
+            ["engine", "model"], registry=r)
+        self.estimated_prompt_tokens = Counter(
+            "admission_estimated_prompt_tokens",
+            "Estimated prompt tokens of admitted requests; compare with the engine's vllm:prompt_tokens_total.",
+            ["engine", "model"], registry=r)
+        self.kv_reserved = Gauge(
+            "admission_kv_reserved_tokens", "KV tokens reserved by requests this replica admitted, stream still open.",
+            ["engine"], registry=r)
+        self.kv_available = Gauge(
+            "admission_kv_available_tokens",
+            "KV tokens the budget would still admit (NaN when the budget does not apply).",
+            ["engine"], registry=r)
         self.queue_depth = Gauge("admission_queue_depth", "Requests parked now.", ["engine"], registry=r)
         self.inflight = Gauge(
             "admission_inflight", "Requests this replica admitted whose HTTP stream is still open.",

@@ -38,6 +38,7 @@ class EngineObserver:
         self._first_done: dict[str, asyncio.Event] = {}
         self._polls: dict[str, int] = {}
         self._degraded: dict[str, bool] = {}
+        self._capacity_source: dict[str, str] = {}
         self._engines = [e for e in settings.engines if e.models]
 
     async def start(self) -> None:
@@ -117,11 +118,32 @@ class EngineObserver:
             kv_usage=gauges.kv_usage,
             scrape_started=started,
             capacity_tokens=gauges.capacity_tokens,
+            block_size=gauges.block_size,
         )
+        self._log_capacity_source(engine, gauges)
         was_stale = self._admission.gate(engine.name).state.value == "stale"
         self._admission.observe(engine.name, snapshot)
         if was_stale:
             log.info("engine state is fresh again", extra={"engine": engine.name})
+
+    def _log_capacity_source(self, engine: EngineConfig, gauges: EngineGauges) -> None:
+        """Say once (and on every change) where the KV capacity for the budget comes from."""
+        if gauges.capacity_tokens:
+            source, tokens = "vllm:cache_config_info", gauges.capacity_tokens
+        elif engine.limits.kv_capacity_tokens:
+            source, tokens = "configured (ADMISSION_KV_CAPACITY_TOKENS / kv_capacity_tokens)", engine.limits.kv_capacity_tokens
+        else:
+            source, tokens = "unknown", None
+        key = f"{source}:{tokens}"
+        if self._capacity_source.get(engine.name) == key:
+            return
+        self._capacity_source[engine.name] = key
+        if tokens is None:
+            log.warning("KV capacity unknown: the engine exposes no vllm:cache_config_info and none is configured; "
+                        "the KV-token budget is inactive, only the reference gates apply", extra={"engine": engine.name})
+        else:
+            log.info("KV capacity for the token budget", extra={"engine": engine.name, "capacity_tokens": tokens,
+                                                                "source": source})
 
     def _failed(self, engine: EngineConfig, reason: str, detail: str, first: bool, degraded_logged: bool = False) -> None:
         self._metrics.poll_failures.labels(engine.name, reason).inc()

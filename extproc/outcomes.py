@@ -25,6 +25,8 @@ class Outcome(enum.StrEnum):
     # The request is answered by the service and never reaches the engine.
     QUEUE_FULL = "queue_full"
     PARK_TIMEOUT = "park_timeout"
+    EXPECTED_WAIT_TOO_LONG = "expected_wait_too_long"  # the park cap would run out first: say so now
+    EXCEEDS_KV_CAPACITY = "exceeds_kv_capacity"  # needs more KV than the engine has at all
     SHUTTING_DOWN = "shutting_down"
     BODY_TOO_LARGE = "body_too_large"
     INVALID_BODY = "invalid_body"
@@ -56,6 +58,8 @@ class Rejection:
 REJECTIONS: dict[Outcome, Rejection] = {
     Outcome.QUEUE_FULL: Rejection(503, "service_unavailable", retry_after=True),
     Outcome.PARK_TIMEOUT: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.EXPECTED_WAIT_TOO_LONG: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.EXCEEDS_KV_CAPACITY: Rejection(400, "invalid_request_error", retry_after=False),
     Outcome.SHUTTING_DOWN: Rejection(503, "service_unavailable", retry_after=True),
     Outcome.BODY_TOO_LARGE: Rejection(413, "invalid_request_error", retry_after=False),
     Outcome.INVALID_BODY: Rejection(400, "invalid_request_error", retry_after=False),

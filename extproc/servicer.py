@@ -32,7 +32,8 @@ from google.protobuf import duration_pb2
 from .admission import PARK_TIMEOUT_MARGIN_SECONDS, Admission
 from .bodyscan import BodyError, scan_body
 from .config import EngineConfig, Settings
-from .gate import Ticket
+from .estimate import estimate_cost
+from .gate import Decision, Ticket
 from .metrics import Metrics
 from .outcomes import REJECTIONS, Outcome, error_body
 
@@ -143,7 +144,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return
 
         stream.engine = engine
-        decision = self._admission.arrive(engine.name, facts.model)
+        s = self._settings
+        cost = estimate_cost(facts, s.bytes_per_token, s.estimate_safety_factor, s.default_max_tokens)
+        decision = self._admission.arrive(engine.name, facts.model, cost.tokens)
         stream.ticket = decision.ticket
         outcome = decision.outcome
         pending_read: asyncio.Future[object] | None = None
@@ -152,32 +155,45 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             log.info("parked", extra={"request_id": stream.request_id, "engine": engine.name, "model": facts.model,
                                       "queue_depth": self._admission.gate(engine.name).queue_depth})
             await context.write(self._park_response(engine))
-            outcome, pending_read = await self._wait_parked(context, stream)
+            decision, pending_read = await self._wait_parked(context, stream)
+            outcome = decision.outcome
             if outcome is Outcome.CLIENT_GONE:
                 log.info("client gone while parked", extra={"request_id": stream.request_id, "engine": engine.name})
                 return
             started = time.perf_counter()
         if outcome.admits:
+            if outcome is not Outcome.ADMITTED_FAIL_OPEN:
+                self._metrics.estimated_prompt_tokens.labels(engine.name, facts.model).inc(cost.prompt_tokens)
             await context.write(self._admitted_responses[engine.name])
             self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
             log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})
             await self._drain(context, None, pending_read)
             return
+        gate = self._admission.gate(engine.name)
         message_text = {
             Outcome.QUEUE_FULL: f"engine `{engine.name}` is at capacity and its queue is full; retry later",
             Outcome.PARK_TIMEOUT: (
                 f"engine `{engine.name}` stayed at capacity for {engine.limits.max_park_seconds:g}s; retry later"
             ),
+            Outcome.EXPECTED_WAIT_TOO_LONG: (
+                f"engine `{engine.name}` is at capacity and the expected wait exceeds "
+                f"{engine.limits.max_park_seconds:g}s; retry later"
+            ),
+            Outcome.EXCEEDS_KV_CAPACITY: (
+                f"this request needs about {gate.cost(decision.ticket)} tokens of KV cache (prompt ~"
+                f"{cost.prompt_tokens} + up to {cost.generation_tokens} generated), more than engine "
+                f"`{engine.name}` holds in total ({gate.capacity_tokens}); shorten the prompt or lower max_tokens"
+            ),
             Outcome.SHUTTING_DOWN: "the admission service is shutting down; retry",
         }.get(outcome, outcome.value)
         self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
-        await self._reject(context, stream, outcome, message_text, counted=True)
+        await self._reject(context, stream, outcome, message_text, counted=True, retry_after=decision.retry_after)
         if pending_read is not None:
             pending_read.cancel()
 
     async def _wait_parked(
         self, context: grpc.aio.ServicerContext, stream: _Stream
-    ) -> tuple[Outcome, asyncio.Future[object] | None]:
+    ) -> tuple[Decision, asyncio.Future[object] | None]:
         """Wait for the gate's answer while watching the stream; its end means the client left."""
         assert stream.engine is not None and stream.ticket is not None
         waiter = asyncio.ensure_future(self._admission.wait(stream.engine.name, stream.ticket))
@@ -191,7 +207,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     log.warning("unexpected message while parked: %s", reader.result().WhichOneof("request"))  # type: ignore[attr-defined]
                     reader = asyncio.ensure_future(context.read())
                     continue
-                return Outcome.CLIENT_GONE, None
+                return Decision(stream.ticket, Outcome.CLIENT_GONE), None
         finally:
             if not waiter.done():
                 waiter.cancel()
@@ -212,7 +228,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 return
 
     async def _reject(
-        self, context: grpc.aio.ServicerContext, stream: _Stream, outcome: Outcome, message: str, counted: bool = False
+        self, context: grpc.aio.ServicerContext, stream: _Stream, outcome: Outcome, message: str,
+        counted: bool = False, retry_after: int | None = None,
     ) -> None:
         row = REJECTIONS[outcome]
         engine = stream.engine.name if stream.engine else "none"
@@ -220,7 +237,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self._metrics.rejected.labels(engine, stream.ticket.model if stream.ticket else "", outcome.value).inc()
         headers = [_header("content-type", "application/json"), _header(OUTCOME_HEADER, outcome.value)]
         if row.retry_after:
-            headers.append(_header("retry-after", str(self._settings.retry_after_seconds)))
+            headers.append(_header("retry-after", str(retry_after or self._settings.retry_after_seconds)))
         log.info("rejected", extra={"request_id": stream.request_id, "engine": engine, "outcome": outcome.value,
                                     "status": row.status, "detail": message})
         await context.write(

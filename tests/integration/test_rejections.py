@@ -54,7 +54,8 @@ def test_oversized_body_is_413_without_reaching_the_engine(make_stack, chunked: 
 
 def test_body_exactly_at_the_cap_is_admitted(make_stack) -> None:  # noqa: ANN001
     # 64 bytes per token keeps the 64 KiB prompt inside the small simulator's context.
-    stack = make_stack({"MAX_BODY_BYTES": "65536"}, sim_args=("--bytes-per-token", "64"))
+    stack = make_stack({"MAX_BODY_BYTES": "65536", "ADMISSION_BYTES_PER_TOKEN": "64"},
+                       sim_args=("--bytes-per-token", "64"))
     skeleton = len(chat_body(""))
     body = chat_body("y" * (65536 - skeleton))
     assert len(body) == 65536
