@@ -247,6 +247,10 @@ def outputs() -> dict[Path, str]:
     }
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboards.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report stale files (exit 1 if any)")
@@ -254,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     stale = [path for path, text in outputs().items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"stale: {path.relative_to(ROOT)} (run: .venv/bin/python -m dashboards.generate)", file=sys.stderr)
+            print(f"stale: {_shown(path)} (run: .venv/bin/python -m dashboards.generate)", file=sys.stderr)
         return 1 if stale else 0
     for path, text in outputs().items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {_shown(path)}")
     return 0
 
 

@@ -1,0 +1,75 @@
+"""The alert rules: promtool checks them, its unit tests cover every alert both ways, each has a runbook."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+
+from .tools import promtool  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "alerts" / "llm-admission.rules.yml"
+RULE_TESTS = Path(__file__).with_name("llm-admission.rules.test.yml")
+RUNBOOK = ROOT / "docs" / "runbook.md"
+
+REQUIRED = {
+    "LLMAdmissionObserverDegraded": "observer_degraded",
+    "LLMAdmissionEngineStateStale": "engine_state_is_stale",
+    "LLMAdmissionHighRejectionRatio": "admission_rejected_total",
+    "VLLMPreemptions": "vllm:num_preemptions_total",
+    "LLMAdmissionServiceDown": 'up{job="llm-admission"}',
+}
+
+
+def alerts() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if "alert" in rule]
+
+
+def test_the_required_alerts_exist_on_the_right_series() -> None:
+    by_name = {rule["alert"]: rule for rule in alerts()}
+    assert set(REQUIRED) <= set(by_name)
+    for name, series in REQUIRED.items():
+        assert series in by_name[name]["expr"], name
+
+
+def test_promtool_check_rules_passes(promtool: str) -> None:
+    result = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alerts())} rules found" in result.stdout
+
+
+def test_promtool_unit_tests_pass(promtool: str) -> None:
+    result = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=60,
+                            cwd=RULE_TESTS.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout + result.stderr
+
+
+def test_unit_tests_cover_every_alert_firing_and_not_firing() -> None:
+    doc = yaml.safe_load(RULE_TESTS.read_text())
+    assert doc["rule_files"] == ["../../alerts/llm-admission.rules.yml"]
+    seen: dict[str, set[str]] = defaultdict(set)
+    for test in doc["tests"]:
+        for case in test.get("alert_rule_test", []):
+            seen[case["alertname"]].add("firing" if case.get("exp_alerts") else "not firing")
+    for rule in alerts():
+        assert seen[rule["alert"]] == {"firing", "not firing"}, rule["alert"]
+
+
+def test_every_alert_links_to_its_runbook_section() -> None:
+    text = RUNBOOK.read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^## (.+)$", text, re.M)}
+    for rule in alerts():
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"docs/runbook.md#{rule['alert'].lower()}", url
+        assert rule["alert"].lower() in anchors, f"docs/runbook.md has no '## {rule['alert']}' section"
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        assert rule["labels"]["severity"] in ("warning", "critical")
+
+
+def test_the_chart_ships_an_identical_copy_of_the_rules() -> None:
+    assert (ROOT / "helm" / "llm-admission" / "files" / "llm-admission.rules.yml").read_text() == RULES.read_text()
