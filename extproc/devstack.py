@@ -134,12 +134,16 @@ class LocalStack:
     sim_port: int = 0
     log_to_files: bool = True
     with_extproc: bool = True  # False: Envoy straight to the engine, no ext_proc filter
+    shared_extproc: LocalStack | None = None  # use that stack's service instead of starting one
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("envoy_port", "envoy_admin_port", "grpc_port", "admin_port", "sim_port"):
             if not getattr(self, name):
                 setattr(self, name, free_port())
+        if self.shared_extproc is not None:  # one admission service behind several Envoys
+            self.grpc_port = self.shared_extproc.grpc_port
+            self.admin_port = self.shared_extproc.admin_port
         self.sim: Child | None = None
         self.extproc: Child | None = None
         self.envoy: Child | None = None
@@ -184,7 +188,7 @@ class LocalStack:
         try:
             if self.engine_url is None:
                 self.start_sim(timeout)
-            if self.with_extproc:
+            if self.with_extproc and self.shared_extproc is None:
                 self.start_extproc(timeout)
             self.start_envoy(timeout)
         except BaseException:

@@ -41,7 +41,36 @@ def test_the_budget_parks_what_the_gauges_cannot_see_yet(stack: Stack) -> None:
         stack.sim("/control/hold", {"hold": False})
         assert [f.result(timeout=30).status for f in first] == [200, 200]
         assert third.result(timeout=30).status == 200
-    assert stack.arrivals() == ["kv-0", "kv-1", "kv-2"]
+    arrivals = stack.arrivals()
+    assert sorted(arrivals[:2]) == ["kv-0", "kv-1"] and arrivals[2] == "kv-2"
     assert stack.metric("admission_kv_reserved_tokens") == 0
     sim_state = stack.sim("/control/state")
     assert sim_state["num_preemptions"] == 0
+
+
+def test_envoys_sharing_one_service_share_one_exact_budget(make_stack) -> None:  # noqa: ANN001
+    first = make_stack()
+    second = make_stack(engine_url=first.local.engine_base, shared_extproc=first.local)
+    body = {"max_tokens": 500}  # 3,504 reserved each; two fit in the 8,192-token cache, three do not
+    first.sim("/control/hold", {"hold": True})
+    with ThreadPoolExecutor(4) as pool:
+        a = pool.submit(post, first.url + URL, chat_body("a" * 12_000, **body), {"x-request-id": "via-1"})
+        first.wait_state(lambda s: s["inflight"] == 1, "one admitted via the first Envoy")
+        b = pool.submit(post, second.url + URL, chat_body("b" * 12_000, **body), {"x-request-id": "via-2"})
+        first.wait_state(lambda s: s["inflight"] == 2, "one admitted via the second Envoy")
+        c = pool.submit(post, second.url + URL, chat_body("c" * 12_000, **body), {"x-request-id": "via-2b"})
+        first.wait_state(lambda s: s["queue_depth"] == 1, "the third to park: the ledger saw both Envoys")
+        first.sim("/control/hold", {"hold": False})
+        assert [f.result(timeout=30).status for f in (a, b, c)] == [200, 200, 200]
+    assert first.arrivals() == ["via-1", "via-2", "via-2b"]
+    assert first.sim("/control/state")["num_preemptions"] == 0
+
+
+def test_envoys_sharing_a_service_fail_open_when_it_is_gone(make_stack) -> None:  # noqa: ANN001
+    first = make_stack()
+    second = make_stack(engine_url=first.local.engine_base, shared_extproc=first.local)
+    assert first.local.extproc is not None
+    first.local.extproc.stop()
+    for stack, request_id in ((first, "open-1"), (second, "open-2")):
+        assert post(stack.url + URL, chat_body(), {"x-request-id": request_id}).status == 200
+    assert first.arrivals() == ["open-1", "open-2"]
