@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import Gauge
+
 from .config import EngineConfig, Settings
 from .gate import Decision, EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket
 from .metrics import Metrics
@@ -27,6 +29,7 @@ PARK_TIMEOUT_MARGIN_SECONDS = 5.0
 class _Engine:
     config: EngineConfig
     gate: EngineGate
+    gauges: list[tuple[Gauge, Callable[[EngineGate], float]]]  # engine-labelled gauges and their source
     timer: asyncio.TimerHandle | None = None
 
 
@@ -52,8 +55,17 @@ class Admission:
                 backfill=settings.backfill,
                 retry_after_seconds=settings.retry_after_seconds,
             )
-            self._engines[engine.name] = _Engine(engine, EngineGate(limits))
-            self._publish(engine.name)
+            m, name = metrics, engine.name
+            gauges = [
+                (m.queue_depth.labels(name), lambda g: g.queue_depth),
+                (m.inflight.labels(name), lambda g: g.inflight),
+                (m.effective_load.labels(name), lambda g: _nan_if_none(g.effective_load())),
+                (m.stale.labels(name), lambda g: 1 if g.state is EngineState.STALE else 0),
+                (m.kv_reserved.labels(name), lambda g: g.reserved_tokens),
+                (m.kv_available.labels(name), lambda g: _nan_if_none(g.available_tokens())),
+            ]
+            self._engines[name] = _Engine(engine, EngineGate(limits), gauges)
+            self._publish(name)
 
     def now(self) -> float:
         return self._clock() if self._clock else asyncio.get_running_loop().time()
@@ -162,12 +174,10 @@ class Admission:
             self._metrics.park_duration.labels(engine, outcome.value).observe(waited)
 
     def _publish(self, engine: str) -> None:
-        gate = self._engines[engine].gate
-        self._metrics.queue_depth.labels(engine).set(gate.queue_depth)
-        self._metrics.inflight.labels(engine).set(gate.inflight)
-        load = gate.effective_load()
-        self._metrics.effective_load.labels(engine).set(load if load is not None else float("nan"))
-        self._metrics.stale.labels(engine).set(1 if gate.state is EngineState.STALE else 0)
-        self._metrics.kv_reserved.labels(engine).set(gate.reserved_tokens)
-        available = gate.available_tokens()
-        self._metrics.kv_available.labels(engine).set(available if available is not None else float("nan"))
+        entry = self._engines[engine]
+        for gauge, read in entry.gauges:
+            gauge.set(read(entry.gate))
+
+
+def _nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else value
