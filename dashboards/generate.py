@@ -42,7 +42,18 @@ DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Label filters: the gateway's series by engine name, vLLM's by served model.
 GW = 'engine=~"$engine"'
-VLLM = 'model_name=~"$model"'
+
+
+def vllm(name: str) -> str:
+    """A selector for vLLM's own series `vllm:NAME`, whichever way it was stored.
+
+    prometheus_client (0.26 checked) writes `vllm_NAME` instead of `vllm:NAME` on sample lines
+    when the scraper negotiates OpenMetrics without UTF-8 escaping, as Prometheus 2.x does; plain
+    text and Prometheus 3 keep the colon. Matching both makes the dashboard work with either.
+    """
+    return f'{{__name__=~"vllm[:_]{name}",model_name=~"$model"}}'
+
+
 RATE = "$__rate_interval"
 ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
 
@@ -50,7 +61,7 @@ ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
 # (at 1) for an engine that has rejected everything and admitted nothing yet. The alert
 # LLMAdmissionHighRejectionRatio uses the same expression.
 REJECTION_RATIO = (
-    f'sum by (engine) (rate(admission_rejected_total{{reason=~"queue_full|park_timeout",{GW}}}[{RATE}]))\n'
+    f'sum by (engine) (rate(admission_rejected_total{{reason=~"queue_full|park_timeout|expected_wait_too_long",{GW}}}[{RATE}]))\n'
     f"/\n"
     f"(sum by (engine) (rate(admission_rejected_total{{{GW}}}[{RATE}]))\n"
     f" + (sum by (engine) (rate(admission_admitted_total{{{GW}}}[{RATE}]))"
@@ -103,7 +114,7 @@ def variables() -> list[db.QueryVariable | db.DatasourceVariable]:
         db.QueryVariable("model")
         .label("model (vLLM)")
         .datasource(DATASOURCE)
-        .query("label_values(vllm:num_requests_running, model_name)")
+        .query('label_values({__name__=~"vllm[:_]num_requests_running"}, model_name)')
         .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(model.VariableSort.ALPHABETICAL_ASC)
         .multi(True)
@@ -139,7 +150,7 @@ def build() -> dict[str, object]:
         ))
         .with_panel(panel(
             "Capacity rejection ratio",
-            "queue_full + park_timeout over all decisions. Alert LLMAdmissionHighRejectionRatio fires "
+            "queue_full + park_timeout + expected_wait_too_long over all decisions. Alert LLMAdmissionHighRejectionRatio fires "
             "above 0.10 for 10 minutes.",
             "percentunit",
             query("A", REJECTION_RATIO, "{{engine}}"),
@@ -163,6 +174,27 @@ def build() -> dict[str, object]:
             query("B", "histogram_quantile(0.95, sum by (le, engine) "
                        f"(rate(admission_park_duration_seconds_bucket{{{GW}}}[{RATE}])))", "p95: {{engine}}"),
         ))
+        .with_panel(panel(
+            "KV-token budget",
+            "KV tokens this gateway reserved for admitted requests still streaming, what the budget "
+            "would still admit (empty when the budget does not apply), and the engine's capacity "
+            "(vllm:cache_config_info, or the configured kvCapacityTokens).",
+            "short",
+            query("A", f"sum by (engine) (admission_kv_reserved_tokens{{{GW}}})", "reserved: {{engine}}"),
+            query("B", f"sum by (engine) (admission_kv_available_tokens{{{GW}}})", "available: {{engine}}"),
+            query("C", f"max by (engine) (vllm_kv_capacity_tokens{{{GW}}})", "capacity: {{engine}}"),
+        ))
+        .with_panel(panel(
+            "Prompt tokens per second: gateway estimate vs vLLM",
+            "The budget's estimate (prompt bytes / bytesPerToken) of admitted requests against the "
+            "prompt tokens vLLM counted. A gateway line far below vLLM's means bytesPerToken is too "
+            "high for this traffic and the budget over-admits.",
+            "short",
+            query("A", f"sum by (engine) (rate(admission_estimated_prompt_tokens_total{{{GW}}}[{RATE}]))",
+                  "gateway estimate: {{engine}}"),
+            query("B", f"sum by (model_name) (rate({vllm('prompt_tokens_total')}[{RATE}]))",
+                  "vLLM: {{model_name}}"),
+        ))
         .with_row(db.Row("Engine: the gateway's view next to vLLM's own"))
         .with_panel(panel(
             "Running requests: gateway view vs vLLM",
@@ -171,7 +203,7 @@ def build() -> dict[str, object]:
             "should overlap, a poll interval apart.",
             "short",
             query("A", f"sum by (engine) (vllm_requests_running{{{GW}}})", "gateway view: {{engine}}"),
-            query("B", f"sum by (model_name) (vllm:num_requests_running{{{VLLM}}})", "vLLM: {{model_name}}"),
+            query("B", f"sum by (model_name) ({vllm('num_requests_running')})", "vLLM: {{model_name}}"),
             width=8,
         ))
         .with_panel(panel(
@@ -179,7 +211,7 @@ def build() -> dict[str, object]:
             "vllm_requests_waiting (gateway, last good poll) vs vllm:num_requests_waiting (vLLM).",
             "short",
             query("A", f"sum by (engine) (vllm_requests_waiting{{{GW}}})", "gateway view: {{engine}}"),
-            query("B", f"sum by (model_name) (vllm:num_requests_waiting{{{VLLM}}})", "vLLM: {{model_name}}"),
+            query("B", f"sum by (model_name) ({vllm('num_requests_waiting')})", "vLLM: {{model_name}}"),
             width=8,
         ))
         .with_panel(panel(
@@ -188,7 +220,7 @@ def build() -> dict[str, object]:
             "fullest rank). Requests park at the configured threshold (0.90 by default).",
             "percentunit",
             query("A", f"max by (engine) (vllm_kv_usage_perc{{{GW}}})", "gateway view: {{engine}}"),
-            query("B", f"max by (model_name) (vllm:kv_cache_usage_perc{{{VLLM}}})", "vLLM: {{model_name}}"),
+            query("B", f"max by (model_name) ({vllm('kv_cache_usage_perc')})", "vLLM: {{model_name}}"),
             width=8,
         ))
         .with_panel(panel(
@@ -215,7 +247,7 @@ def build() -> dict[str, object]:
             "Requests vLLM preempted (KV cache exhausted; a preempted prefill is recomputed from "
             "zero). Admission exists to keep this at zero; alert VLLMPreemptions fires on any.",
             "short",
-            query("A", f"sum by (model_name) (increase(vllm:num_preemptions_total{{{VLLM}}}[{RATE}]))",
+            query("A", f"sum by (model_name) (increase({vllm('num_preemptions_total')}[{RATE}]))",
                   "preempted: {{model_name}}"),
             bars=True,
         ))
@@ -225,9 +257,9 @@ def build() -> dict[str, object]:
             "at the gateway.",
             "s",
             query("A", "histogram_quantile(0.5, sum by (le, model_name) "
-                       f"(rate(vllm:time_to_first_token_seconds_bucket{{{VLLM}}}[{RATE}])))", "p50: {{model_name}}"),
+                       f"(rate({vllm('time_to_first_token_seconds_bucket')}[{RATE}])))", "p50: {{model_name}}"),
             query("B", "histogram_quantile(0.95, sum by (le, model_name) "
-                       f"(rate(vllm:time_to_first_token_seconds_bucket{{{VLLM}}}[{RATE}])))", "p95: {{model_name}}"),
+                       f"(rate({vllm('time_to_first_token_seconds_bucket')}[{RATE}])))", "p95: {{model_name}}"),
         ))
     )
     return json.loads(JSONEncoder(sort_keys=True).encode(dash.build()))

@@ -153,8 +153,15 @@ def test_engines_config_and_env_are_accepted_by_the_service_itself(rendered: Ren
         assert engine.limits.kv_threshold == values.get("kvThreshold", merged["admission"]["kvThreshold"])
         assert engine.limits.max_inflight == values.get("maxInflight", merged["admission"]["maxInflight"])
         assert engine.limits.max_queue_depth == values.get("maxQueueDepth", merged["admission"]["maxQueueDepth"])
+        assert engine.limits.kv_capacity_tokens == values.get("kvCapacityTokens", merged["admission"].get("kvCapacityTokens"))
     assert settings.max_body_bytes == merged["admission"]["maxBodyBytes"]
     assert settings.max_streams == merged["admission"]["maxStreams"]
+    a = merged["admission"]
+    assert (settings.kv_budget, settings.backfill, settings.local_accounting) == (a["kvBudget"], a["backfill"], a["localAccounting"])
+    assert (settings.bytes_per_token, settings.estimate_safety_factor, settings.default_max_tokens) == (
+        a["bytesPerToken"], a["estimateSafetyFactor"], a["defaultMaxTokens"])
+    assert settings.poll_interval == a["pollIntervalSeconds"] and settings.stale_after_polls == a["staleAfterPolls"]
+    assert settings.retry_after_seconds == a["retryAfterSeconds"] and list(settings.gated_paths) == a["gatedPaths"]
 
 
 def test_rendered_envoy_config_is_exactly_what_the_service_generator_builds(rendered: Rendered, tmp_path: Path) -> None:

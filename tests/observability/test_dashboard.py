@@ -39,13 +39,13 @@ def test_dashboard_has_the_required_panels_on_the_right_series() -> None:
         "Admission decisions per second, by outcome": ["admission_admitted_total", "admission_rejected_total"],
         "Parked and in flight": ["admission_queue_depth", "admission_inflight"],
         "Park time p50 / p95": ["histogram_quantile(0.5", "histogram_quantile(0.95", "admission_park_duration_seconds_bucket"],
-        "Running requests: gateway view vs vLLM": ["vllm_requests_running", "vllm:num_requests_running"],
-        "Waiting requests: gateway view vs vLLM": ["vllm_requests_waiting", "vllm:num_requests_waiting"],
-        "KV cache usage: gateway view vs vLLM": ["vllm_kv_usage_perc", "vllm:kv_cache_usage_perc"],
+        "Running requests: gateway view vs vLLM": ["vllm_requests_running", "vllm[:_]num_requests_running"],
+        "Waiting requests: gateway view vs vLLM": ["vllm_requests_waiting", "vllm[:_]num_requests_waiting"],
+        "KV cache usage: gateway view vs vLLM": ["vllm_kv_usage_perc", "vllm[:_]kv_cache_usage_perc"],
         "Engine state stale / observer degraded": ["engine_state_is_stale", "observer_degraded"],
-        "vLLM preemptions": ["vllm:num_preemptions_total"],
+        "vLLM preemptions": ["vllm[:_]num_preemptions_total"],
         "vLLM time to first token p50 / p95": ["histogram_quantile(0.5", "histogram_quantile(0.95",
-                                               "vllm:time_to_first_token_seconds_bucket"],
+                                               "vllm[:_]time_to_first_token_seconds_bucket"],
     }
     for title, needles in required.items():
         assert title in by_title, title

@@ -20,7 +20,7 @@ REQUIRED = {
     "LLMAdmissionObserverDegraded": "observer_degraded",
     "LLMAdmissionEngineStateStale": "engine_state_is_stale",
     "LLMAdmissionHighRejectionRatio": "admission_rejected_total",
-    "VLLMPreemptions": "vllm:num_preemptions_total",
+    "VLLMPreemptions": "vllm[:_]num_preemptions_total",
     "LLMAdmissionServiceDown": 'up{job="llm-admission"}',
 }
 
