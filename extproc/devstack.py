@@ -35,7 +35,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _bin(name: str) -> str:
+def console_script(name: str) -> str:
     """A console script from this interpreter's environment (the venv), else from PATH."""
     candidate = Path(sys.executable).parent / name
     if candidate.exists():
@@ -197,13 +197,13 @@ class LocalStack:
         return self
 
     def start_sim(self, timeout: float = 30.0) -> None:
-        argv = [_bin("enginesim"), "--host", "127.0.0.1", "--port", str(self.sim_port), "--model", SIM_MODEL, *self.sim_args]
+        argv = [console_script("enginesim"), "--host", "127.0.0.1", "--port", str(self.sim_port), "--model", SIM_MODEL, *self.sim_args]
         self.sim = Child("enginesim", argv, dict(os.environ), self._log("enginesim"))
         self.sim.start()
         self._wait_http(self.sim, f"{self.engine_base}/health", timeout)
 
     def start_extproc(self, timeout: float = 30.0) -> None:
-        self.extproc = Child("extproc", [_bin("extproc"), "serve", "--grace", "5"], self.service_env(), self._log("extproc"))
+        self.extproc = Child("extproc", [console_script("extproc"), "serve", "--grace", "5"], self.service_env(), self._log("extproc"))
         self.extproc.start()
         self._wait_http(self.extproc, f"{self.admin_url}/readyz", timeout)
 
@@ -229,7 +229,7 @@ class LocalStack:
     def start_envoy(self, timeout: float = 30.0) -> None:
         path = self.write_envoy_config()
         argv = [
-            _bin("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
+            console_script("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
             "--log-level", "warn", "--drain-time-s", "1",
         ]
         self.envoy = Child("envoy", argv, dict(os.environ), self._log("envoy"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import openai
 
-from extproc.devstack import Child, _bin, free_port
+from extproc.devstack import Child, console_script, free_port
 
 from .conftest import Stack
 from .http import chat_body, get, post
@@ -82,7 +82,7 @@ def test_no_observed_models_admits_everything_ungated(make_stack) -> None:  # no
 
 def test_several_engines_are_routed_by_model(make_stack, tmp_path: Path) -> None:  # noqa: ANN001
     sim_port, other_port = free_port(), free_port()
-    other = Child("enginesim-b", [_bin("enginesim"), "--port", str(other_port), "--model", "other-model"],
+    other = Child("enginesim-b", [console_script("enginesim"), "--port", str(other_port), "--model", "other-model"],
                   {}, tmp_path / "enginesim-b.log")
     other.start()
     try:
