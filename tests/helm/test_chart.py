@@ -93,7 +93,7 @@ def test_envoy_drains_in_prestop_and_the_grace_period_covers_the_drain(rendered:
     envoy, service = rendered.container("envoy"), rendered.container("admission")
     assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/bash", "/etc/envoy/prestop.sh"]
     script = rendered.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
-    assert "POST '/drain_listeners?graceful&inboundonly'" in script
+    assert "POST '/drain_listeners?graceful'" in script
     drain = int(re.search(r"deadline=\$\(\( \$\(date \+%s\) \+ (\d+) \)\)", script).group(1))
     park = _park_cap(rendered)
     merged_allowance = _merged(rendered)["shutdown"]["inflightAllowanceSeconds"]

@@ -1,0 +1,173 @@
+"""The chart's rendered pod, run for real: Envoy and the service with exactly the rendered config.
+
+Outside Kubernetes, but otherwise as the kubelet would run it: the Envoy bootstrap and the
+engines file from the ConfigMaps, the service's environment and both containers' arguments from
+the Deployment, the probes' paths, and the two preStop hooks, against the engine simulator.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.devstack import Child, free_port, http_get, wait_until
+
+from .conftest import Chart, Rendered
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Pod:
+    rendered: Rendered
+    values: dict[str, Any]
+    workdir: Path
+    sim: Child
+    service: Child
+    envoy: Child
+
+    def port(self, *keys: str) -> int:
+        node: Any = self.values
+        for key in keys:
+            node = node[key]
+        return int(node)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port('envoy', 'port')}"
+
+    def sim_control(self, path: str, doc: dict[str, Any]) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port('sim')}{path}", data=json.dumps(doc).encode(),
+                                     method="POST", headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as response:
+            response.read()
+
+    def chat(self) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port("envoy", "port"), timeout=30)
+        try:
+            body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        finally:
+            conn.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {c.name} -----\n{c.log_tail()}" for c in (self.sim, self.service, self.envoy))
+
+
+def _probe(container: dict[str, Any], kind: str, ports: dict[str, int]) -> str:
+    get = container[kind]["httpGet"]
+    return f"http://127.0.0.1:{ports[get['port']]}{get['path']}"
+
+
+@pytest.fixture
+def pod(chart: Chart, tmp_path: Path) -> Iterator[Pod]:
+    values = {
+        "sim": free_port(),
+        "admission": {"grpcPort": free_port(), "adminPort": free_port(), "maxParkSeconds": 2,
+                      "pollIntervalSeconds": 0.2, "shutdownGraceSeconds": 2},
+        "envoy": {"port": free_port(), "adminPort": free_port(), "healthPort": free_port(), "drainTimeSeconds": 1},
+        "shutdown": {"inflightAllowanceSeconds": 30},
+    }
+    values["engines"] = [{"name": "sim", "url": f"http://127.0.0.1:{values['sim']}", "models": ["sim-model"]}]
+    chart_values = {k: v for k, v in values.items() if k != "sim"}
+    rendered = chart.render(chart_values)
+    (tmp_path / "engines.yaml").write_text(rendered.engines_yaml)
+    (tmp_path / "envoy.yaml").write_text(rendered.envoy_text)
+
+    env = rendered.env()
+    env["EXTPROC_CONFIG"] = str(tmp_path / "engines.yaml")
+    service_cmd = rendered.container("admission")["command"]
+    envoy_args = rendered.container("envoy")["args"]
+    envoy_args[envoy_args.index("--config-path") + 1] = str(tmp_path / "envoy.yaml")
+
+    sim = Child("enginesim", [str(BIN / "enginesim"), "--port", str(values["sim"])], {"PATH": str(BIN)},
+                tmp_path / "enginesim.log")
+    service = Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env},
+                    tmp_path / "admission.log")
+    envoy = Child("envoy", [str(BIN / "envoy"), *envoy_args], {"PATH": str(BIN)}, tmp_path / "envoy.log")
+    p = Pod(rendered, values, tmp_path, sim, service, envoy)
+    ports = {"http": values["envoy"]["port"], "envoy-health": values["envoy"]["healthPort"],
+             "admin": values["admission"]["adminPort"]}
+    try:
+        sim.start()
+        wait_until(lambda: http_get(f"http://127.0.0.1:{values['sim']}/health")[0] == 200, 20, "the simulator")
+        service.start()
+        envoy.start()
+        for container, name in ((rendered.container("envoy"), "envoy"), (rendered.container("admission"), "admission")):
+            for kind in ("readinessProbe", "livenessProbe"):
+                url = _probe(container, kind, ports)
+                wait_until(lambda url=url: http_get(url, timeout=1.0)[0] == 200, 20, f"{name} {kind} at {url}")
+        yield p
+    except BaseException:
+        print(p.logs())
+        raise
+    finally:
+        for child in (envoy, service, sim):
+            child.stop()
+
+
+def test_the_rendered_pod_serves_a_request_through_envoy_and_the_service(pod: Pod) -> None:
+    assert pod.chat() == 200
+    status, body = http_get(f"http://127.0.0.1:{pod.port('admission', 'adminPort')}/metrics")
+    assert status == 200 and b'admission_admitted_total{engine="sim",model="sim-model",via="admitted"} 1.0' in body
+    # Envoy's own metrics are reachable on the health port, its admin API is not.
+    status, body = http_get(f"http://127.0.0.1:{pod.port('envoy', 'healthPort')}/stats/prometheus")
+    assert status == 200 and b"envoy_http_downstream_rq_total" in body
+    assert http_get(f"http://127.0.0.1:{pod.port('envoy', 'healthPort')}/quitquitquit")[0] == 404
+
+
+def test_prestop_drains_envoy_until_the_request_in_flight_ends_then_the_service_follows(pod: Pod) -> None:
+    prestop = pod.workdir / "prestop.sh"
+    prestop.write_text(pod.rendered.one("ConfigMap", "-envoy")["data"]["prestop.sh"])
+    service_wait = pod.rendered.container("admission")["lifecycle"]["preStop"]["exec"]["command"]
+    assert service_wait[0] == "python"
+
+    pod.sim_control("/control/hold", {"hold": True})  # the engine takes no step: the request stays in flight
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(pod.chat)
+        wait_until(lambda: b"inference.downstream_rq_active: 1" in http_get(
+            f"http://127.0.0.1:{pod.port('envoy', 'adminPort')}/stats?filter=downstream_rq_active")[1], 10, "one request in flight")
+        started = time.monotonic()
+        envoy_hook = subprocess.Popen(["/bin/bash", str(prestop)])
+        service_hook = subprocess.Popen([sys.executable, *service_wait[1:]])
+        try:
+            time.sleep(2.0)
+            assert envoy_hook.poll() is None, "Envoy's preStop returned while a request was still in flight"
+            assert service_hook.poll() is None, "the service's preStop returned while Envoy was running"
+            # Drained: the inference listener no longer takes new connections once --drain-time-s passed.
+            probe = http.client.HTTPConnection("127.0.0.1", pod.port("envoy", "port"), timeout=2)
+            try:
+                with pytest.raises(OSError):
+                    probe.connect()
+            finally:
+                probe.close()
+            pod.sim_control("/control/hold", {"hold": False})
+            assert in_flight.result(timeout=20) == 200  # the request in flight finished normally
+            assert envoy_hook.wait(timeout=10) == 0
+            assert time.monotonic() - started < 15, "Envoy's preStop waited for its deadline, not for the request"
+            # The kubelet now stops Envoy; the service's preStop sees its admin port close and returns.
+            assert service_hook.poll() is None
+            pod.envoy.stop()
+            assert service_hook.wait(timeout=10) == 0
+            assert pod.service.alive()  # only now would the kubelet send the service SIGTERM
+        finally:
+            for hook in (envoy_hook, service_hook):
+                if hook.poll() is None:
+                    hook.kill()
+                    hook.wait()
