@@ -1,0 +1,583 @@
+"""What admission control changes for the engine: a scenario through Envoy, with and without the gate.
+
+    python -m bench.admission --scenario reference-65k --mode full [--replicas 3] [--time-scale 20]
+    python -m bench.admission --scenario three-65k --all
+
+One engine simulator (`enginesim --preset reference --time-scale K`: 9527 blocks x 16 tokens,
+max_num_seqs 4, ~525 tok/s prefill, 30 tok/s decode) sits behind N Envoys (`--replicas`), each
+with its own admission service in the gated modes; the load is spread round-robin over the
+Envoys and sent with the official `openai` async client, streaming, so TTFT is what a client sees.
+
+Modes:
+- `none`: Envoy straight to the engine (no ext_proc filter);
+- `reference`: the reference gate as it shipped: decisions from the last poll only
+  (`ADMISSION_LOCAL_ACCOUNTING=false`), park while KV >= 0.90 or running + waiting >= 4;
+- `full`: the service with its defaults (only the limits and the scaled clocks are set).
+
+Time scale: the engine runs K times faster than real time, so the gateway's own clocks are scaled
+by 1/K (poll interval 2/K s, which is also the poll timeout; park cap 120/K s; scrape grace 0.5/K
+s; Retry-After stays 1 s, its minimum, since the benchmark's clients never retry). The gateway
+thus polls as often per engine second as it would in production. All durations reported are
+ENGINE seconds (wall seconds x K).
+
+Prints a table, then one JSON object as the last line of stdout (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
+
+from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, build_requests, prompt_content
+
+MODES = ("none", "reference", "full")
+DEFAULT_TIME_SCALE = 20.0
+SAMPLE_INTERVAL_S = 0.02  # wall seconds between /control/state samples
+CLIENT_TIMEOUT_S = 900.0  # wall seconds; the openai client's per-request timeout
+
+# Settings that make the service behave like the reference gate: decisions from the last poll
+# only. Every feature that is on by default gets its switch here, so `reference` keeps meaning
+# "as it shipped" (the service ignores variables it does not know).
+REFERENCE_ENV = {"ADMISSION_LOCAL_ACCOUNTING": "false", "ADMISSION_KV_BUDGET": "false"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    scenario: str
+    mode: str
+    replicas: int = 1
+    time_scale: float = DEFAULT_TIME_SCALE
+    seed: int | None = None
+    shape: LoadShape = LoadShape()
+    max_inflight: int = 4
+    kv_threshold: float = 0.90
+    queue_depth: int = 8
+    park_cap: float = 120.0  # engine seconds
+    poll_interval: float = 2.0  # engine seconds
+    scrape_grace: float = 0.5  # engine seconds
+    extra_env: tuple[tuple[str, str], ...] = ()
+    sim_args: tuple[str, ...] = ()  # extra enginesim flags, after the preset
+    workdir: Path | None = None
+    progress: bool = True
+
+    def service_env(self) -> dict[str, str]:
+        """The admission service's environment for the gated modes (clocks scaled by 1/K)."""
+        k = self.time_scale
+        env = {
+            "ADMISSION_OBSERVE_MODELS": SIM_MODEL,
+            "ADMISSION_MAX_INFLIGHT": str(self.max_inflight),
+            "ADMISSION_KV_THRESHOLD": f"{self.kv_threshold:g}",
+            "VLLM_MAX_QUEUE_DEPTH": str(self.queue_depth),
+            "ADMISSION_MAX_PARK_SECONDS": f"{self.park_cap / k:g}",
+            "ENGINE_POLL_INTERVAL_SECONDS": f"{self.poll_interval / k:g}",
+            "ADMISSION_SCRAPE_GRACE_SECONDS": f"{self.scrape_grace / k:g}",
+            "ADMISSION_RETRY_AFTER_SECONDS": "1",
+            "EXTPROC_LOG_LEVEL": "WARNING",
+        }
+        if self.mode == "reference":
+            env.update(REFERENCE_ENV)
+        env.update(dict(self.extra_env))
+        return env
+
+
+@dataclass
+class RequestRecord:
+    spec: RequestSpec
+    replica: int
+    sent: float | None = None  # wall, loop clock
+    first_token: float | None = None
+    finished: float | None = None
+    tokens: int = 0
+    outcome: str = "pending"  # completed, rejected, incomplete
+    reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None or self.sent is None else self.first_token - self.sent
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None or self.sent is None else self.finished - self.sent
+
+
+@dataclass
+class EngineSampler:
+    """Samples the engine's /control/state; keeps the peaks the engine does not report itself."""
+
+    url: str
+    samples: int = 0
+    failures: int = 0
+    peak_running_plus_waiting: int = 0
+    peak_kv_usage: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)
+
+    def note(self, state: dict[str, Any]) -> None:
+        self.samples += 1
+        self.last = state
+        self.peak_running_plus_waiting = max(self.peak_running_plus_waiting, state["running"] + state["waiting"])
+        self.peak_kv_usage = max(self.peak_kv_usage, state["kv_usage"])
+
+    async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                async with session.get(f"{self.url}/control/state") as response:
+                    self.note(await response.json())
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                self.failures += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+
+
+# --- stacks --------------------------------------------------------------------------------------
+
+
+class Deployment:
+    """One enginesim behind N Envoys (each with its own admission service unless mode is none)."""
+
+    def __init__(self, cfg: BenchConfig, workdir: Path) -> None:
+        gated = cfg.mode != "none"
+        env = cfg.service_env()
+        sim_args = ["--preset", "reference", "--time-scale", f"{cfg.time_scale:g}", "--log-level", "WARNING",
+                    *cfg.sim_args]
+        first = LocalStack(workdir / "replica0", sim_args=sim_args, extproc_env=env, with_extproc=gated)
+        self.stacks = [first]
+        self._first = first
+        self._cfg = cfg
+        self._rest = [
+            LocalStack(workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=env, with_extproc=gated)
+            for i in range(1, cfg.replicas)
+        ]
+
+    @property
+    def engine_url(self) -> str:
+        return self._first.engine_base
+
+    def start(self) -> None:
+        self._first.start()
+        for stack in self._rest:
+            self.stacks.append(stack)
+            stack.start()
+        if self._cfg.mode != "none":
+            for stack in self.stacks:  # before the first good poll the service fails open
+                wait_until(lambda s=stack: _engine_fresh(s), 30.0, f"first good poll at {stack.admin_url}")
+
+    def stop(self) -> None:
+        for stack in reversed(self.stacks):  # the first one owns the simulator: stop it last
+            stack.stop()
+
+    def logs(self) -> str:
+        return "\n".join(stack.logs() for stack in self.stacks)
+
+
+def _engine_fresh(stack: LocalStack) -> bool:
+    status, body = http_get(f"{stack.admin_url}/debug/engines")
+    return status == 200 and json.loads(body)["default"]["state"] == "fresh"
+
+
+def _metric_samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
+    """Sums over the replicas' /metrics of the counters the report needs."""
+    parked = stale = 0.0
+    rejected: Counter[str] = Counter()
+    admitted: Counter[str] = Counter()
+    poll_failures: Counter[str] = Counter()
+    for stack in stacks:
+        status, body = http_get(f"{stack.admin_url}/metrics", timeout=5.0)
+        if status != 200:
+            raise RuntimeError(f"{stack.admin_url}/metrics answered {status}")
+        for name, labels, value in _metric_samples(body.decode()):
+            if name == "admission_parked_total":
+                parked += value
+            elif name == "engine_state_stale_total":
+                stale += value
+            elif name == "admission_rejected_total" and value:
+                rejected[labels.get("reason", "?")] += int(value)
+            elif name == "admission_admitted_total" and value:
+                admitted[labels.get("via", "?")] += int(value)
+            elif name == "engine_poll_failures_total" and value:
+                poll_failures[labels.get("reason", "?")] += int(value)
+    return {"parked": int(parked), "stale_transitions": int(stale), "rejected": dict(rejected),
+            "admitted": dict(admitted), "poll_failures": dict(poll_failures)}
+
+
+def engine_preemptions(engine_url: str) -> int:
+    """The engine's own `vllm:num_preemptions_total`, summed over its ranks."""
+    status, body = http_get(f"{engine_url}/metrics", timeout=5.0)
+    if status != 200:
+        raise RuntimeError(f"{engine_url}/metrics answered {status}")
+    return int(sum(v for name, _, v in _metric_samples(body.decode()) if name == "vllm:num_preemptions_total"))
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+def _rejection_reason(exc: openai.APIStatusError) -> str:
+    reason = exc.response.headers.get("x-admission-outcome")
+    if reason:
+        return reason
+    code = exc.code  # openai unwraps {"error": {...}} into .body and .code
+    if isinstance(code, str) and code:
+        return code
+    return f"http_{exc.status_code}"
+
+
+async def _send(client: openai.AsyncOpenAI, record: RequestRecord, content: str) -> None:
+    loop = asyncio.get_running_loop()
+    record.sent = loop.time()
+    try:
+        stream = await client.chat.completions.create(
+            model=SIM_MODEL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=record.spec.max_tokens,
+            stream=True,
+            extra_headers={"x-request-id": f"bench-{record.spec.index}"},
+        )
+        async with stream:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if record.first_token is None:
+                        record.first_token = loop.time()
+                    record.tokens += 1
+        record.finished = loop.time()
+        if record.tokens == record.spec.max_tokens:
+            record.outcome = "completed"
+        else:
+            record.outcome, record.reason = "incomplete", f"{record.tokens}/{record.spec.max_tokens} tokens"
+    except openai.APIStatusError as exc:
+        record.finished = loop.time()
+        record.outcome, record.reason = "rejected", _rejection_reason(exc)
+    except openai.APIError as exc:  # connection errors, timeouts, an error event mid-stream
+        record.finished = loop.time()
+        record.outcome, record.reason = "incomplete", type(exc).__name__
+
+
+def _progress_line(t: float, k: float, records: list[RequestRecord], total: int, sampler: EngineSampler) -> str:
+    counts = Counter(r.outcome for r in records)
+    sent = sum(1 for r in records if r.sent is not None)
+    inflight = sent - counts["completed"] - counts["rejected"] - counts["incomplete"]
+    state = sampler.last
+    engine = (f" | engine running {state['running']} waiting {state['waiting']} kv {state['kv_usage']:.2f} "
+              f"preempted {state['num_preemptions']}") if state else ""
+    return (f"  {t:6.1f}s wall ({t * k:7.0f}s engine)  sent {sent}/{total}  completed {counts['completed']}  "
+            f"rejected {counts['rejected']}  in-flight {inflight}"
+            + (f"  incomplete {counts['incomplete']}" if counts["incomplete"] else "") + engine)
+
+
+async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpec], seed: int) -> dict[str, Any]:
+    """Send the scenario's load; returns the records and the engine sampler's findings."""
+    k = cfg.time_scale
+    clients = [
+        openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="bench", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+        for stack in deployment.stacks
+    ]
+    records = [RequestRecord(spec, spec.index % len(clients)) for spec in specs]
+    contents = {spec.index: prompt_content(spec, seed) for spec in specs}
+    sampler = EngineSampler(deployment.engine_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        sampler_task = asyncio.create_task(sampler.run(session, stop))
+
+        async def progress() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                if cfg.progress:
+                    print(_progress_line(loop.time() - t0, k, records, len(records), sampler), file=sys.stderr, flush=True)
+
+        async def one(record: RequestRecord) -> None:
+            delay = t0 + record.spec.at / k - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await _send(clients[record.replica], record, contents[record.spec.index])
+
+        for client in clients:  # connections and the client's lazy set-up, before the clock starts
+            await client.models.list()
+        t0 = loop.time()
+        progress_task = asyncio.create_task(progress())
+        try:
+            await asyncio.gather(*(one(r) for r in records))
+            wall = loop.time() - t0
+        finally:
+            stop.set()
+            await asyncio.gather(sampler_task, progress_task, return_exceptions=True)
+            for client in clients:
+                await client.close()
+        async with session.get(f"{deployment.engine_url}/control/state") as response:
+            sampler.note(await response.json())
+        async with session.get(f"{deployment.engine_url}/control/arrivals") as response:
+            arrivals = (await response.json())["arrivals"]
+    return {"records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals}
+
+
+# --- statistics and report -----------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _r(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[str, Any] | None,
+              preemptions: int) -> dict[str, Any]:
+    k = cfg.time_scale
+    records: list[RequestRecord] = run["records"]
+    sampler: EngineSampler = run["sampler"]
+    state = sampler.last
+    classes = [name for name in CLASSES if any(r.spec.cls.name == name for r in records)]
+    by_class = {name: [r for r in records if r.spec.cls.name == name] for name in classes}
+    rejected = Counter(r.reason for r in records if r.outcome == "rejected")
+    incomplete = Counter(r.reason for r in records if r.outcome == "incomplete")
+
+    def stat(attr: str, q: float) -> dict[str, float | None]:
+        out = {}
+        for name, group in [*by_class.items(), ("all", records)]:
+            values = [getattr(r, attr) * k for r in group if r.outcome == "completed"]
+            out[name] = _r(percentile(values, q))
+        return out
+
+    by_id = {f"bench-{r.spec.index}": r for r in records}
+    arrived = [by_id[a["id"]] for a in sorted(run["arrivals"], key=lambda a: a["arrival_time"]) if a["id"] in by_id]
+    ends = [r.finished for r in records if r.finished is not None]
+    starts = [r.sent for r in records if r.sent is not None]
+    result: dict[str, Any] = {
+        "scenario": cfg.scenario,
+        "mode": cfg.mode,
+        "replicas": cfg.replicas,
+        "time_scale": k,
+        "seed": seed,
+        "requests": len(records),
+        "completed": sum(1 for r in records if r.outcome == "completed"),
+        "rejected": dict(sorted(rejected.items())),
+        "incomplete": dict(sorted(incomplete.items())),
+        "requests_by_class": {name: len(group) for name, group in by_class.items()},
+        "completed_by_class": {name: sum(1 for r in group if r.outcome == "completed") for name, group in by_class.items()},
+        "parked": gateway["parked"] if gateway else 0,
+        "preemptions": preemptions,
+        "preempted_requests": sum(1 for r in state.get("requests", []) if r["preemptions"] > 0),
+        "ttft_p50": stat("ttft", 0.50),
+        "ttft_p95": stat("ttft", 0.95),
+        "e2e_p50": stat("e2e", 0.50),
+        "e2e_p95": stat("e2e", 0.95),
+        "max_engine_waiting": state.get("max_waiting", 0),
+        "max_engine_running": state.get("max_running", 0),
+        "peak_engine_running_plus_waiting": max(sampler.peak_running_plus_waiting, state.get("max_waiting", 0),
+                                                state.get("max_running", 0)),
+        "peak_kv_usage": round(sampler.peak_kv_usage, 4),
+        "makespan_s": _r((max(ends) - min(starts)) * k if ends and starts else None),
+        "stale_transitions": gateway["stale_transitions"] if gateway else 0,
+        "poll_failures": gateway["poll_failures"] if gateway else {},
+        "gateway_admitted": gateway["admitted"] if gateway else {},
+        "gateway_rejected": gateway["rejected"] if gateway else {},
+        "engine_arrivals": len(arrived),
+        # whether the prompt classes reached the engine in the order they were sent
+        "arrival_order_kept": [r.spec.cls.name for r in arrived] == [r.spec.cls.name for r in sorted(arrived, key=lambda r: r.spec.index)],
+        **({"engine_arrival_order": " ".join(r.spec.cls.name for r in arrived)} if len(arrived) <= 40 else {}),
+        "engine_samples": sampler.samples,
+        "wall_s": round(run["wall"], 2),
+        "settings": {
+            "max_inflight": cfg.max_inflight, "kv_threshold": cfg.kv_threshold, "queue_depth": cfg.queue_depth,
+            "park_cap_s": cfg.park_cap, "poll_interval_s": cfg.poll_interval,
+            **({"rate": cfg.shape.rate, "duration_s": cfg.shape.duration} if cfg.scenario == "steady"
+               else {"spacing_s": cfg.shape.spacing}),
+            **({"extra_env": dict(cfg.extra_env)} if cfg.extra_env else {}),
+            **({"sim_args": list(cfg.sim_args)} if cfg.sim_args else {}),
+        },
+    }
+    return result
+
+
+def _fmt(value: float | None, width: int = 8) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.1f}"
+
+
+def render_run(result: dict[str, Any]) -> str:
+    lines = [
+        f"scenario {result['scenario']}  mode {result['mode']}  replicas {result['replicas']}  "
+        f"time scale {result['time_scale']:g}  seed {result['seed']}",
+        "times in engine seconds",
+        f"{'class':<7}{'sent':>6}{'done':>6}{'ttft p50':>10}{'ttft p95':>10}{'e2e p50':>10}{'e2e p95':>10}",
+    ]
+    for name in [*result["requests_by_class"], "all"]:
+        sent = result["requests"] if name == "all" else result["requests_by_class"][name]
+        done = result["completed"] if name == "all" else result["completed_by_class"][name]
+        lines.append(f"{name:<7}{sent:>6}{done:>6}  {_fmt(result['ttft_p50'][name])}  {_fmt(result['ttft_p95'][name])}"
+                     f"  {_fmt(result['e2e_p50'][name])}  {_fmt(result['e2e_p95'][name])}")
+    rejected = ", ".join(f"{k} {v}" for k, v in result["rejected"].items()) or "none"
+    lines.append(f"rejected: {rejected}" + (f"; incomplete: {result['incomplete']}" if result["incomplete"] else ""))
+    lines.append(f"engine: preemptions {result['preemptions']} ({result['preempted_requests']} requests), "
+                 f"max waiting {result['max_engine_waiting']}, peak running+waiting "
+                 f"{result['peak_engine_running_plus_waiting']}, peak KV {result['peak_kv_usage']:.3f}")
+    if result["mode"] != "none":
+        lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
+                     f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
+    lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall)")
+    return "\n".join(lines)
+
+
+COMBINED_COLUMNS = (
+    ("mode", 10, lambda r: r["mode"]),
+    ("repl", 5, lambda r: r["replicas"]),
+    ("req", 5, lambda r: r["requests"]),
+    ("done", 5, lambda r: r["completed"]),
+    ("rejected", 22, lambda r: ",".join(f"{k}:{v}" for k, v in r["rejected"].items()) or "0"),
+    ("parked", 7, lambda r: r["parked"]),
+    ("preempt", 8, lambda r: r["preemptions"]),
+    ("maxwait", 8, lambda r: r["max_engine_waiting"]),
+    ("peak r+w", 9, lambda r: r["peak_engine_running_plus_waiting"]),
+    ("peakKV", 7, lambda r: f"{r['peak_kv_usage']:.3f}"),
+    ("stale", 6, lambda r: r["stale_transitions"]),
+    ("makespan", 9, lambda r: r["makespan_s"]),
+)
+
+
+def render_combined(results: list[dict[str, Any]]) -> str:
+    """One row per run, then TTFT/e2e by class (engine seconds, p50/p95)."""
+    head = "".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w, _) in enumerate(COMBINED_COLUMNS))
+    lines = [head]
+    for r in results:
+        lines.append("".join(f"{str(f(r)):>{w}}" if i else f"{str(f(r)):<{w}}" for i, (_, w, f) in enumerate(COMBINED_COLUMNS)))
+    classes = list(dict.fromkeys(c for r in results for c in r["requests_by_class"]))
+    lines.append("")
+    lines.append(f"{'mode':<10}{'repl':>5}" + "".join(f"{'ttft ' + c + ' p50/p95':>22}{'e2e ' + c + ' p50/p95':>22}" for c in classes))
+    for r in results:
+        cells = ""
+        for c in classes:
+            t = f"{_fmt(r['ttft_p50'].get(c), 0).strip()}/{_fmt(r['ttft_p95'].get(c), 0).strip()}"
+            e = f"{_fmt(r['e2e_p50'].get(c), 0).strip()}/{_fmt(r['e2e_p95'].get(c), 0).strip()}"
+            cells += f"{t:>22}{e:>22}"
+        lines.append(f"{r['mode']:<10}{r['replicas']:>5}{cells}")
+    return "\n".join(lines)
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+def run_one(cfg: BenchConfig) -> dict[str, Any]:
+    """Start the deployment, drive the scenario, collect the counters, stop everything."""
+    specs, seed = build_requests(cfg.scenario, cfg.seed, cfg.shape)
+    if not specs:
+        raise SystemExit(f"scenario {cfg.scenario} produced no requests (raise --rate or --duration)")
+    with contextlib.ExitStack() as cleanup:
+        workdir = cfg.workdir
+        if workdir is None:
+            workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="bench-admission-")))
+        workdir = workdir / f"{cfg.scenario}-{cfg.mode}-r{cfg.replicas}"
+        deployment = Deployment(cfg, workdir)
+        if cfg.progress:
+            print(f"[{cfg.scenario} / {cfg.mode} / {cfg.replicas} replica(s)] starting the stack "
+                  f"({len(specs)} requests, time scale {cfg.time_scale:g})", file=sys.stderr, flush=True)
+        try:
+            deployment.start()
+            run = asyncio.run(drive(cfg, deployment, specs, seed))
+            gateway = gateway_counters(deployment.stacks) if cfg.mode != "none" else None
+            preemptions = engine_preemptions(deployment.engine_url)
+        except BaseException:
+            if cfg.progress:
+                print(deployment.logs()[-6000:], file=sys.stderr)
+            raise
+        finally:
+            deployment.stop()
+    return summarize(cfg, seed, run, gateway, preemptions)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--scenario", required=True, choices=sorted(SCENARIOS), help="the load (see bench/README.md)")
+    add("--mode", choices=MODES, help="none, reference or full (required unless --all)")
+    add("--all", action="store_true", help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
+    add("--replicas", type=int, default=1, help="Envoy (+ service) replicas in front of the one engine")
+    add("--replicas-list", default="1,3", help="with --all: the replica counts to run")
+    add("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="engine speed-up K; gateway clocks are scaled by 1/K")
+    add("--seed", type=int, default=None, help="override the scenario's fixed seed")
+    add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
+    add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
+    add("--spacing", type=float, default=0.5, help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
+    add("--max-inflight", type=int, default=4, help="ADMISSION_MAX_INFLIGHT (the engine's max-num-seqs)")
+    add("--kv-threshold", type=float, default=0.90, help="ADMISSION_KV_THRESHOLD")
+    add("--queue-depth", type=int, default=8, help="VLLM_MAX_QUEUE_DEPTH per replica")
+    add("--park-cap", type=float, default=120.0, help="ADMISSION_MAX_PARK_SECONDS in engine seconds (divided by K)")
+    add("--poll-interval", type=float, default=2.0, help="ENGINE_POLL_INTERVAL_SECONDS in engine seconds (divided by K)")
+    add("--extproc-env", action="append", default=[], metavar="KEY=VALUE",
+        help="extra environment for the admission service (repeatable), e.g. to try a feature flag")
+    add("--sim-arg", action="append", default=[], metavar="FLAG",
+        help="extra enginesim flag (repeatable), e.g. --sim-arg=--max-num-seqs=5 (the reference's PR-2 engine)")
+    add("--workdir", type=Path, default=None, help="keep configs and process logs here (default: a temporary directory)")
+    add("--quiet", action="store_true", help="no progress on stderr")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.all and args.mode is None:
+        parser.error("--mode is required unless --all is given")
+    if args.time_scale <= 0 or args.replicas < 1:
+        parser.error("--time-scale must be > 0 and --replicas >= 1")
+    extra = []
+    for item in args.extproc_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--extproc-env {item!r}: expected KEY=VALUE")
+        extra.append((key, value))
+    if args.poll_interval / args.time_scale < 0.05:
+        print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
+              "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
+    shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing)
+    base = dict(scenario=args.scenario, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
+                queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
+                extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet)
+    if not args.all:
+        result = run_one(BenchConfig(mode=args.mode, replicas=args.replicas, **base))
+        print(render_run(result))
+        print(json.dumps(result))
+        return 0
+    replica_counts = [int(x) for x in args.replicas_list.split(",") if x.strip()]
+    results = []
+    for replicas in replica_counts:
+        for mode in MODES:
+            result = run_one(BenchConfig(mode=mode, replicas=replicas, **base))
+            print(render_run(result), file=sys.stderr, flush=True)
+            results.append(result)
+    print(f"scenario {args.scenario}, time scale {args.time_scale:g}, seed {results[0]['seed']}; times in engine seconds")
+    print(render_combined(results))
+    print(json.dumps({"scenario": args.scenario, "time_scale": args.time_scale, "runs": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Named load scenarios for `bench.admission`: which requests, how big, and when they arrive.
+
+A scenario is a list of `RequestSpec`s with arrival offsets in ENGINE seconds; the runner divides
+them by the time scale. Everything is derived from the seed, so a scenario + seed is one fixed load.
+
+Prompt sizes are exact: the simulator counts prompt tokens as ceil(UTF-8 bytes of the message
+contents / 4) (`enginesim --bytes-per-token`, default 4), so a T-token prompt is one user message
+of exactly 4*T ASCII bytes. Each request's content is distinct (its index and seed open it, the
+rest is seeded hex), so nothing can be shared between requests even by an engine with a prefix
+cache. A 65,536-token prompt is a 262,144-byte content and a ~262 KB body, well under the
+service's 1 MiB body cap (MAX_BODY_BYTES).
+
+Prompt classes (name: prompt tokens, max_tokens):
+    65k: 65,536 / 256     8k: 8,192 / 128     1k: 1,024 / 64     smoke: 256 / 16
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+BYTES_PER_TOKEN = 4  # enginesim's default --bytes-per-token
+
+
+@dataclass(frozen=True)
+class PromptClass:
+    name: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+CLASSES: dict[str, PromptClass] = {
+    c.name: c
+    for c in (
+        PromptClass("65k", 65_536, 256),
+        PromptClass("8k", 8_192, 128),
+        PromptClass("1k", 1_024, 64),
+        PromptClass("smoke", 256, 16),
+    )
+}
+
+# steady: the mix of prompt classes (weights) for the Poisson stream.
+STEADY_MIX: tuple[tuple[str, float], ...] = (("65k", 0.15), ("8k", 0.35), ("1k", 0.50))
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    cls: PromptClass
+    at: float  # arrival offset, engine seconds
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.cls.prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.cls.max_tokens
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """The tunable parts of a scenario, all in engine seconds."""
+
+    rate: float = 0.03  # steady: arrivals per engine second
+    duration: float = 600.0  # steady: engine seconds of arrivals
+    spacing: float = 0.5  # bursts: engine seconds between consecutive sends
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    seed: int
+    build: Callable[[random.Random, LoadShape], list[RequestSpec]]
+
+
+def prompt_content(spec: RequestSpec, seed: int) -> str:
+    """Exactly prompt_tokens * 4 ASCII bytes, distinct per request and seed."""
+    size = spec.prompt_tokens * BYTES_PER_TOKEN
+    head = f"[bench request {spec.index} seed {seed} class {spec.cls.name}] "
+    body = random.Random(f"{seed}/{spec.index}").randbytes(size // 2 + 1).hex()
+    return (head + body)[:size]
+
+
+def _burst(counts: dict[str, int], shuffle: bool = True) -> Callable[[random.Random, LoadShape], list[RequestSpec]]:
+    """A burst, `spacing` engine seconds apart, in a seeded random order (or as listed).
+
+    The small spacing fixes the order in which the requests reach the engine (sent all at once,
+    262 KB and 32 KB bodies race through Envoy and the service, and the order changes from run to
+    run); with the default 0.5 s, 17 requests land within 8 engine seconds (two 2048-token
+    prefill steps), long before the first one finishes.
+    """
+
+    def build(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
+        names = [name for name, n in counts.items() for _ in range(n)]
+        if shuffle:
+            rng.shuffle(names)
+        return [RequestSpec(i, CLASSES[name], i * shape.spacing) for i, name in enumerate(names)]
+
+    return build
+
+
+def _steady(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
+    """Poisson arrivals at `rate` per engine second over `duration` engine seconds, mixed sizes."""
+    names = [name for name, _ in STEADY_MIX]
+    weights = [w for _, w in STEADY_MIX]
+    specs: list[RequestSpec] = []
+    t = rng.expovariate(shape.rate)
+    while t < shape.duration:
+        specs.append(RequestSpec(len(specs), CLASSES[rng.choices(names, weights)[0]], t))
+        t += rng.expovariate(shape.rate)
+    return specs
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("reference-65k", "2 x 65k + 15 x 8k prompts in a burst (the reference acceptance test)",
+                 seed=65, build=_burst({"65k": 2, "8k": 15})),
+        Scenario("three-65k", "3 x 65k then 8 x 8k prompts in a burst: the three big ones alone need more KV "
+                 "than the engine holds (3 x 65,792 > 152,416 tokens) and all fit under max-num-seqs 4",
+                 seed=3, build=_burst({"65k": 3, "8k": 8}, shuffle=False)),
+        Scenario("steady", "Poisson arrivals at --rate per engine second for --duration engine seconds; "
+                 "mix " + ", ".join(f"{w:.0%} {n}" for n, w in STEADY_MIX),
+                 seed=7, build=_steady),
+        Scenario("smoke", "6 small prompts (256 tokens, max_tokens 16) in a burst: a quick check of the harness",
+                 seed=1, build=_burst({"smoke": 6})),
+    )
+}
+
+
+def build_requests(name: str, seed: int | None = None, shape: LoadShape = LoadShape()) -> tuple[list[RequestSpec], int]:
+    """The scenario's requests and the seed used."""
+    scenario = SCENARIOS[name]
+    used = scenario.seed if seed is None else seed
+    return scenario.build(random.Random(used), shape), used

@@ -1,0 +1,69 @@
+"""Smoke test of `python -m bench.admission`: the tiny `smoke` scenario in every mode, 1 and 2 replicas.
+
+Checks that the report is complete and self-consistent, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FIELDS = (
+    "scenario", "mode", "replicas", "time_scale", "requests", "completed", "rejected", "parked",
+    "preemptions", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95", "max_engine_waiting",
+    "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s", "stale_transitions",
+)
+
+
+def run_bench(*args: str) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.admission", "--scenario", "smoke", "--quiet", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]), "\n".join(lines[:-1])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("mode", ["none", "reference", "full"])
+def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> None:
+    result, table = run_bench("--mode", mode, "--replicas", str(replicas))
+
+    assert all(field in result for field in FIELDS), sorted(set(FIELDS) - set(result))
+    assert (result["scenario"], result["mode"], result["replicas"]) == ("smoke", mode, replicas)
+    assert result["requests"] == 6
+    assert result["completed"] + sum(result["rejected"].values()) + sum(result["incomplete"].values()) == 6
+    assert result["incomplete"] == {}
+    assert result["preemptions"] >= 0
+    assert result["stale_transitions"] == 0
+    assert result["engine_arrivals"] == result["completed"]  # a rejected request never reaches the engine
+    assert result["peak_engine_running_plus_waiting"] >= result["max_engine_waiting"]
+    assert 0 < result["peak_kv_usage"] <= 1
+    assert result["makespan_s"] > 0
+    for key in ("ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
+        assert set(result[key]) == {"smoke", "all"}
+    assert 0 < result["ttft_p50"]["smoke"] <= result["ttft_p95"]["smoke"] <= result["e2e_p95"]["smoke"]
+    if mode == "none":
+        assert result["parked"] == 0 and result["rejected"] == {}
+    else:
+        # every request the gateways saw is accounted for by their own counters
+        admitted = sum(result["gateway_admitted"].values())
+        assert admitted == result["completed"]
+        assert result["gateway_rejected"] == result["rejected"]
+        assert result["parked"] <= result["requests"]
+    assert "smoke" in table and "makespan" in table
+
+
+def test_all_prints_one_combined_table_and_a_json_list() -> None:
+    result, table = run_bench("--all", "--replicas-list", "1")
+    assert [(r["mode"], r["replicas"]) for r in result["runs"]] == [("none", 1), ("reference", 1), ("full", 1)]
+    assert table.count("\nnone ") == 2 and "peak r+w" in table
