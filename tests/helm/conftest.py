@@ -51,6 +51,32 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The "shared" shape (N Envoys, one admission service), over the same kinds of variation.
+SHARED_VALUE_SETS: dict[str, dict[str, Any]] = {
+    "shared-default": {"shape": "shared"},
+    "shared-several-engines": {
+        "shape": "shared",
+        "engines": VALUE_SETS["several-engines"]["engines"],
+        "envoy": {"replicas": 5},
+    },
+    "shared-custom": {
+        "shape": "shared",
+        "clusterDomain": "corp.example",
+        "fullnameOverride": "a-rather-long-release-name-for-the-admission-gateway-of-team-x",
+        "admission": {"grpcPort": 50051, "adminPort": 8081, "failureMode": "closed", "maxParkSeconds": 30.5,
+                      "maxStreams": 2048, "shutdownGraceSeconds": 20},
+        "envoy": {"replicas": 2, "resources": {"limits": {"cpu": "1500m"}}},
+        "serviceMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+    },
+    "shared-minimal": {
+        "shape": "shared",
+        "envoy": {"replicas": 1},
+        "podDisruptionBudget": {"enabled": False},
+        "dashboard": {"enabled": False},
+    },
+}
+
 
 @dataclass
 class Rendered:
@@ -72,8 +98,19 @@ class Rendered:
     def deployment(self) -> dict[str, Any]:
         return self.one("Deployment")
 
+    @property
+    def deployments(self) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == "Deployment"]
+
     def container(self, name: str) -> dict[str, Any]:
-        return next(c for c in self.deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+        """The container called `name`, in whichever Deployment runs it (it must be exactly one)."""
+        found = [c for d in self.deployments for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+        assert len(found) == 1, f"expected one container {name!r}, got {len(found)}"
+        return found[0]
+
+    def deployment_of(self, container: str) -> dict[str, Any]:
+        return next(d for d in self.deployments
+                    if container in [c["name"] for c in d["spec"]["template"]["spec"]["containers"]])
 
     def env(self) -> dict[str, str]:
         return {e["name"]: e["value"] for e in self.container("admission")["env"]}
@@ -124,3 +161,13 @@ def value_set(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
 @pytest.fixture(scope="session")
 def rendered(chart: Chart, value_set: tuple[str, dict[str, Any]]) -> Rendered:
     return chart.render(value_set[1])
+
+
+@pytest.fixture(scope="session", params=sorted(SHARED_VALUE_SETS))
+def shared_value_set(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    return request.param, SHARED_VALUE_SETS[request.param]
+
+
+@pytest.fixture(scope="session")
+def shared(chart: Chart, shared_value_set: tuple[str, dict[str, Any]]) -> Rendered:
+    return chart.render(shared_value_set[1])

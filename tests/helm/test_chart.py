@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from ..observability.tools import promtool  # noqa: F401  (fixture)
-from .conftest import CHART, NAMESPACE, ROOT, VALUE_SETS, Chart, Rendered, helm
+from .conftest import CHART, NAMESPACE, ROOT, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered, helm
 
 KUBERNETES_VERSION = "1.35.0"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # kubernetes-validate ships no CRD schemas
 
 
 def test_lint_reports_no_warnings_or_errors_for_any_value_set() -> None:
-    for name, values in VALUE_SETS.items():
+    for name, values in {**VALUE_SETS, **SHARED_VALUE_SETS}.items():
         report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}")
         problems = [m for m in report["messages"] if m["severity"] >= 2]
         assert not problems and not report["errors"], f"{name}: {problems} {report['errors']}"
@@ -339,7 +339,11 @@ def test_notes_tell_how_to_send_a_first_request_and_where_the_dashboard_is(chart
         ({"engines": [{"name": "q", "url": "http://q:8000", "models": ["q"], "kvThreshold": 0}]},
          "at '/engines/0/kvThreshold': exclusiveMinimum"),
         ({"envoy": {"firstTokenAllowanceSeconds": 5}}, "at '/envoy/firstTokenAllowanceSeconds': exclusiveMinimum"),
-        ({"shape": "shared"}, "at '/shape': value must be 'sidecar'"),
+        ({"shape": "sharded"}, "at '/shape': value must be one of 'sidecar', 'shared'"),
+        ({"shape": "shared", "envoy": {"replicas": 0}}, "at '/envoy/replicas': minimum: got 0, want 1"),
+        ({"shape": "shared", "clusterDomain": "Cluster.Local."}, "at '/clusterDomain'"),
+        # No value sets the shared service's replicas: a second ledger would split the budget.
+        ({"shape": "shared", "admissionReplicas": 2}, "additional properties 'admissionReplicas' not allowed"),
     ],
 )
 def test_schema_rejects_bad_values_naming_the_key(chart: Chart, values: dict[str, Any], message: str) -> None:

@@ -56,15 +56,7 @@ class Pod:
             response.read()
 
     def chat(self) -> int:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port("envoy", "port"), timeout=30)
-        try:
-            body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
-            response = conn.getresponse()
-            response.read()
-            return response.status
-        finally:
-            conn.close()
+        return _chat(self.port("envoy", "port"))
 
     def logs(self) -> str:
         return "\n".join(f"----- {c.name} -----\n{c.log_tail()}" for c in (self.sim, self.service, self.envoy))
@@ -171,3 +163,80 @@ def test_prestop_drains_envoy_until_the_request_in_flight_ends_then_the_service_
                 if hook.poll() is None:
                     hook.kill()
                     hook.wait()
+
+
+def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Chart, tmp_path: Path) -> None:
+    """shape=shared for real on loopback: the extproc Deployment's container as rendered (gRPC on
+    0.0.0.0), two Envoys with the rendered bootstrap (only the Service's DNS name replaced by
+    127.0.0.1, the rest, STRICT_DNS included, as rendered), one simulator. A request through each
+    Envoy is decided by the one ledger; with the service gone, Envoy fails open as documented."""
+    sim_port, grpc_port, admin_port = free_port(), free_port(), free_port()
+    base = {
+        "shape": "shared",
+        "engines": [{"name": "sim", "url": f"http://127.0.0.1:{sim_port}", "models": ["sim-model"]}],
+        "admission": {"grpcPort": grpc_port, "adminPort": admin_port, "maxParkSeconds": 2, "pollIntervalSeconds": 0.2,
+                      "shutdownGraceSeconds": 2},
+    }
+    envoy_ports = [{"port": free_port(), "adminPort": free_port(), "healthPort": free_port()} for _ in range(2)]
+    renders = [chart.render({**base, "envoy": ports}) for ports in envoy_ports]
+    first = renders[0]
+    dns = f"{first.one('Service', '-extproc')['metadata']['name']}.inference.svc.cluster.local"
+    assert all(r.env() == first.env() for r in renders)  # the service does not depend on the Envoys
+
+    (tmp_path / "engines.yaml").write_text(first.engines_yaml)
+    env = first.env()
+    assert env["EXTPROC_LISTEN"] == f"0.0.0.0:{grpc_port}"
+    env["EXTPROC_CONFIG"] = str(tmp_path / "engines.yaml")
+    service_cmd = first.container("admission")["command"]
+    children = [
+        Child("enginesim", [str(BIN / "enginesim"), "--port", str(sim_port)], {"PATH": str(BIN)}, tmp_path / "enginesim.log"),
+        Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env}, tmp_path / "admission.log"),
+    ]
+    for i, r in enumerate(renders):
+        text = r.envoy_text
+        assert text.count(f"address: {dns}\n") == 1
+        config = tmp_path / f"envoy-{i}.yaml"
+        config.write_text(text.replace(f"address: {dns}\n", "address: 127.0.0.1\n"))
+        args = r.container("envoy")["args"]
+        args[args.index("--config-path") + 1] = str(config)
+        children.append(Child(f"envoy-{i}", [str(BIN / "envoy"), *args], {"PATH": str(BIN)}, tmp_path / f"envoy-{i}.log"))
+    sim, service, *envoys = children
+    try:
+        sim.start()
+        wait_until(lambda: http_get(f"http://127.0.0.1:{sim_port}/health")[0] == 200, 20, "the simulator")
+        for child in (service, *envoys):
+            child.start()
+        probes = [(first.container("admission"), {"admin": admin_port})]
+        probes += [(r.container("envoy"), {"envoy-health": p["healthPort"]}) for r, p in zip(renders, envoy_ports)]
+        for container, ports in probes:
+            for kind in ("readinessProbe", "livenessProbe"):
+                url = _probe(container, kind, ports)
+                wait_until(lambda url=url: http_get(url, timeout=1.0)[0] == 200, 20, f"{container['name']} {kind} at {url}")
+
+        for ports in envoy_ports:
+            assert _chat(ports["port"]) == 200
+        status, body = http_get(f"http://127.0.0.1:{admin_port}/metrics")
+        assert status == 200
+        assert b'admission_admitted_total{engine="sim",model="sim-model",via="admitted"} 2.0' in body  # one ledger, both Envoys
+
+        service.stop()  # a restart of the shared service: every Envoy fails open (failureMode open)
+        for ports in envoy_ports:
+            assert _chat(ports["port"]) == 200
+    except BaseException:
+        print("\n".join(f"----- {c.name} -----\n{c.log_tail()}" for c in children))
+        raise
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def _chat(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()

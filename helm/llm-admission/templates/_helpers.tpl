@@ -130,3 +130,279 @@ host, port, http2 (bool), maxRequests, connectTimeout. */}}
           max_concurrent_streams: {{ .maxRequests }}
   {{- end }}
 {{- end -}}
+
+{{/* ------------------------------------------------------------------------------------------
+Shapes. "sidecar": one Deployment (fullname) whose pods run Envoy + the admission service.
+"shared": Deployment fullname-envoy (envoy.replicas pods, Envoy alone) and Deployment + Service
+fullname-extproc (the one admission service every Envoy's ext_proc cluster points at).
+*/}}
+
+{{/* fullname + "-" + suffix, within the 63 characters of a DNS label. Argument: dict ctx, suffix. */}}
+{{- define "llm-admission.componentName" -}}
+{{- $base := include "llm-admission.fullname" .ctx | trunc (int (sub 62 (len .suffix))) | trimSuffix "-" -}}
+{{- printf "%s-%s" $base .suffix -}}
+{{- end -}}
+
+{{/* The shared admission service's Service and Deployment name. */}}
+{{- define "llm-admission.extprocName" -}}
+{{- include "llm-admission.componentName" (dict "ctx" . "suffix" "extproc") -}}
+{{- end -}}
+
+{{/* The shared Envoys' Deployment name. */}}
+{{- define "llm-admission.envoyName" -}}
+{{- include "llm-admission.componentName" (dict "ctx" . "suffix" "envoy") -}}
+{{- end -}}
+
+{{/* Selector labels of one component of the shared shape. Argument: dict ctx, component. */}}
+{{- define "llm-admission.componentSelectorLabels" -}}
+{{ include "llm-admission.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* host and port ("host port") of the admission service as Envoy's ext_proc cluster sees it:
+loopback in the sidecar shape, the shared Service's cluster DNS name in the shared shape. */}}
+{{- define "llm-admission.extprocHostPort" -}}
+{{- if eq .Values.shape "shared" -}}
+{{- printf "%s.%s.svc.%s %d" (include "llm-admission.extprocName" .) .Release.Namespace .Values.clusterDomain (int64 .Values.admission.grpcPort) -}}
+{{- else -}}
+{{- printf "127.0.0.1 %d" (int64 .Values.admission.grpcPort) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod-spec fields every pod of the chart shares (image pull secrets, priority, security). */}}
+{{- define "llm-admission.podCommon" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{/* Scheduling fields every pod of the chart shares. */}}
+{{- define "llm-admission.podScheduling" -}}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* terminationGracePeriodSeconds of a pod running Envoy: its preStop drain (park cap + inflight
+allowance) + 2 s for Envoy to exit + 5 s margin, + the service's own --grace when the service
+runs in the same pod and only starts stopping once Envoy is gone (sidecar). */}}
+{{- define "llm-admission.envoyPodGrace" -}}
+{{- $drain := int64 (include "llm-admission.drainSeconds" .) -}}
+{{- $grace := 0 -}}
+{{- if eq .Values.shape "sidecar" }}{{ $grace = int64 (ceil (float64 .Values.admission.shutdownGraceSeconds)) }}{{ end -}}
+{{- add $drain 2 $grace 5 -}}
+{{- end -}}
+
+{{/*
+The Envoy container, the same in both shapes: --concurrency from the CPU limit, the health
+listener's probes, the preStop drain (configmap-envoy.yaml's prestop.sh). Its config volume is
+"envoy-config" (llm-admission.envoyVolumes).
+*/}}
+{{- define "llm-admission.envoyContainer" -}}
+- name: envoy
+  image: "{{ .Values.envoy.image.repository }}:{{ .Values.envoy.image.tag }}"
+  imagePullPolicy: {{ .Values.envoy.image.pullPolicy }}
+  command: [/usr/local/bin/envoy]
+  args:
+  - --config-path
+  - /etc/envoy/envoy.yaml
+  - --concurrency
+  - {{ include "llm-admission.envoyConcurrency" . | quote }}
+  - --disable-hot-restart
+  - --drain-time-s
+  - {{ int64 .Values.envoy.drainTimeSeconds | quote }}
+  - --drain-strategy
+  - immediate
+  - --log-level
+  - {{ .Values.envoy.logLevel }}
+  {{- with .Values.envoy.extraArgs }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+  ports:
+  - name: http
+    containerPort: {{ int64 .Values.envoy.port }}
+    protocol: TCP
+  - name: envoy-health
+    containerPort: {{ int64 .Values.envoy.healthPort }}
+    protocol: TCP
+  readinessProbe:
+    httpGet:
+      path: /ready
+      port: envoy-health
+    periodSeconds: 5
+    failureThreshold: 2
+  # /ready also answers 503 while Envoy drains; the kubelet treats liveness as passing once
+  # the pod is terminating, so a drain never restarts Envoy.
+  livenessProbe:
+    httpGet:
+      path: /ready
+      port: envoy-health
+    initialDelaySeconds: 5
+    periodSeconds: 10
+    failureThreshold: 3
+  lifecycle:
+    preStop:
+      exec:
+        command: [/bin/bash, /etc/envoy/prestop.sh]
+  resources:
+    {{- toYaml .Values.envoy.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.envoySecurityContext | nindent 4 }}
+  volumeMounts:
+  - name: envoy-config
+    mountPath: /etc/envoy
+    readOnly: true
+{{- end -}}
+
+{{/* The volume the Envoy container mounts. */}}
+{{- define "llm-admission.envoyVolumes" -}}
+- name: envoy-config
+  configMap:
+    name: {{ include "llm-admission.fullname" . }}-envoy
+{{- end -}}
+
+{{/*
+The admission service's container, the same binary and settings in both shapes. Only where it
+listens differs: sidecar, gRPC on 127.0.0.1 (only the pod's Envoy talks to it) and a preStop that
+keeps it serving until that Envoy has drained and exited; shared, gRPC on 0.0.0.0 (every Envoy
+of the release talks to it through the Service) and no preStop (no Envoy in its pod to wait for).
+Its engines volume is "engines" (llm-admission.admissionVolumes).
+*/}}
+{{- define "llm-admission.admissionContainer" -}}
+{{- $a := .Values.admission -}}
+{{- $shared := eq .Values.shape "shared" -}}
+{{- $grace := int64 (ceil (float64 $a.shutdownGraceSeconds)) -}}
+- name: admission
+  image: "{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: [extproc, serve, --grace, {{ $grace | quote }}]
+  env:
+  - name: EXTPROC_CONFIG
+    value: /etc/llm-admission/engines.yaml
+  - name: EXTPROC_LISTEN
+    value: "{{ ternary "0.0.0.0" "127.0.0.1" $shared }}:{{ int64 $a.grpcPort }}"
+  - name: EXTPROC_ADMIN_LISTEN
+    value: "0.0.0.0:{{ int64 $a.adminPort }}"
+  - name: ADMISSION_MAX_INFLIGHT
+    value: {{ int64 $a.maxInflight | quote }}
+  - name: ADMISSION_KV_THRESHOLD
+    value: {{ $a.kvThreshold | toString | quote }}
+  - name: VLLM_MAX_QUEUE_DEPTH
+    value: {{ int64 $a.maxQueueDepth | quote }}
+  - name: ADMISSION_MAX_PARK_SECONDS
+    value: {{ $a.maxParkSeconds | toString | quote }}
+  - name: ADMISSION_RETRY_AFTER_SECONDS
+    value: {{ int64 $a.retryAfterSeconds | quote }}
+  - name: MAX_BODY_BYTES
+    value: {{ int64 $a.maxBodyBytes | quote }}
+  - name: ENGINE_POLL_INTERVAL_SECONDS
+    value: {{ $a.pollIntervalSeconds | toString | quote }}
+  - name: ENGINE_STALE_AFTER_POLLS
+    value: {{ int64 $a.staleAfterPolls | quote }}
+  - name: ADMISSION_LOCAL_ACCOUNTING
+    value: {{ $a.localAccounting | toString | quote }}
+  - name: ADMISSION_KV_BUDGET
+    value: {{ $a.kvBudget | toString | quote }}
+  - name: ADMISSION_BACKFILL
+    value: {{ $a.backfill | toString | quote }}
+  - name: ADMISSION_BYTES_PER_TOKEN
+    value: {{ $a.bytesPerToken | toString | quote }}
+  - name: ADMISSION_ESTIMATE_SAFETY_FACTOR
+    value: {{ $a.estimateSafetyFactor | toString | quote }}
+  - name: ADMISSION_DEFAULT_MAX_TOKENS
+    value: {{ int64 $a.defaultMaxTokens | quote }}
+  {{- if $a.kvCapacityTokens }}
+  - name: ADMISSION_KV_CAPACITY_TOKENS
+    value: {{ int64 $a.kvCapacityTokens | quote }}
+  {{- end }}
+  - name: ADMISSION_SCRAPE_GRACE_SECONDS
+    value: {{ $a.scrapeGraceSeconds | toString | quote }}
+  - name: ADMISSION_GATED_PATHS
+    value: {{ join "," $a.gatedPaths | quote }}
+  - name: EXTPROC_MAX_STREAMS
+    value: {{ int64 $a.maxStreams | quote }}
+  - name: EXTPROC_LOG_LEVEL
+    value: {{ $a.logLevel | quote }}
+  - name: EXTPROC_LOG_FORMAT
+    value: {{ $a.logFormat | quote }}
+  {{- with $a.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+  ports:
+  {{- if $shared }}
+  - name: grpc
+    containerPort: {{ int64 $a.grpcPort }}
+    protocol: TCP
+  {{- end }}
+  - name: admin
+    containerPort: {{ int64 $a.adminPort }}
+    protocol: TCP
+  # /readyz is not tied to engine health on purpose (an engine metrics outage makes admission
+  # fail open; it must not take the gateway out of service). It turns 503 on SIGTERM.
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: admin
+    periodSeconds: 5
+    failureThreshold: 2
+  livenessProbe:
+    httpGet:
+      path: /healthz
+      port: admin
+    initialDelaySeconds: 5
+    periodSeconds: 10
+    failureThreshold: 3
+  {{- if not $shared }}
+  lifecycle:
+    preStop:
+      exec:
+        # Keep serving until Envoy has drained and exited (its admin port closes), so that
+        # parked and admitted requests keep their ext_proc streams to the end.
+        command:
+        - python
+        - -c
+        - |
+          import socket, time
+          deadline = time.monotonic() + {{ add (include "llm-admission.drainSeconds" .) 2 }}
+          while time.monotonic() < deadline:
+              try:
+                  socket.create_connection(("127.0.0.1", {{ int64 .Values.envoy.adminPort }}), 1).close()
+              except OSError:
+                  break
+              time.sleep(1)
+  {{- end }}
+  resources:
+    {{- toYaml .Values.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+  - name: engines
+    mountPath: /etc/llm-admission
+    readOnly: true
+{{- end -}}
+
+{{/* The volume the admission container mounts. */}}
+{{- define "llm-admission.admissionVolumes" -}}
+- name: engines
+  configMap:
+    name: {{ include "llm-admission.fullname" . }}-engines
+{{- end -}}

@@ -1,0 +1,210 @@
+"""The "shared" shape: N Envoys whose ext_proc cluster points at ONE admission service.
+
+The service's single ledger is what makes the KV budget exact cluster-wide, so it runs with one
+replica and never two at once; the Envoys are the sidecar shape's Envoys with another ext_proc
+address.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from .conftest import NAMESPACE, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered
+from .test_chart import CRD_KINDS, KUBERNETES_VERSION, _hcm, _park_cap, _service_settings
+
+
+def _extproc_dns(r: Rendered) -> str:
+    service = r.one("Service", "-extproc")
+    return f"{service['metadata']['name']}.{NAMESPACE}.svc.{r.values['clusterDomain']}"
+
+
+def _pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def _selects(selector: dict[str, str], deployment: dict[str, Any]) -> bool:
+    return selector.items() <= _pod_labels(deployment).items()
+
+
+def _declared_ports(deployment: dict[str, Any]) -> set[str]:
+    return {p["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+
+
+def test_every_manifest_validates_against_the_kubernetes_schema(shared: Rendered) -> None:
+    checked = 0
+    for obj in shared.objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+        if obj["kind"] == "Service":  # a DNS label: the Envoys resolve the shared one by name
+            assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+        checked += 1
+    assert checked >= 6
+
+
+def test_shared_shape_is_an_envoy_deployment_and_one_admission_service(chart: Chart) -> None:
+    r = chart.render(SHARED_VALUE_SETS["shared-default"])
+    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "PodDisruptionBudget",
+                         "Service", "Service", "Service"]
+    assert sorted(d["metadata"]["name"] for d in r.deployments) == ["demo-llm-admission-envoy", "demo-llm-admission-extproc"]
+    assert [c["name"] for c in r.one("Deployment", "-envoy")["spec"]["template"]["spec"]["containers"]] == ["envoy"]
+    assert [c["name"] for c in r.one("Deployment", "-extproc")["spec"]["template"]["spec"]["containers"]] == ["admission"]
+    # The two Deployments' selectors are disjoint: neither adopts the other's pods.
+    envoy, extproc = r.one("Deployment", "-envoy"), r.one("Deployment", "-extproc")
+    assert not _selects(envoy["spec"]["selector"]["matchLabels"], extproc)
+    assert not _selects(extproc["spec"]["selector"]["matchLabels"], envoy)
+
+
+def test_the_admission_service_runs_one_replica_never_two_at_once_and_listens_on_all_addresses(shared: Rendered) -> None:
+    deployment = shared.one("Deployment", "-extproc")
+    assert deployment["spec"]["replicas"] == 1  # one ledger; not a value
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # no surge pod, no second ledger
+    a = shared.values["admission"]
+    env = shared.env()
+    assert env["EXTPROC_LISTEN"] == f"0.0.0.0:{a['grpcPort']}"
+    assert env["EXTPROC_ADMIN_LISTEN"] == f"0.0.0.0:{a['adminPort']}"
+    service = shared.container("admission")
+    assert {p["name"]: p["containerPort"] for p in service["ports"]} == {"grpc": a["grpcPort"], "admin": a["adminPort"]}
+    assert service["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert service["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    assert "lifecycle" not in service  # no Envoy beside it to wait for
+    grace = float(service["command"][service["command"].index("--grace") + 1])
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace + 5
+
+
+def test_replica_count_does_not_reach_the_admission_service(chart: Chart) -> None:
+    r = chart.render({"shape": "shared", "replicaCount": 7, "envoy": {"replicas": 4}})
+    assert r.one("Deployment", "-extproc")["spec"]["replicas"] == 1
+    assert r.one("Deployment", "-envoy")["spec"]["replicas"] == 4
+
+
+def test_the_admission_service_is_a_cluster_ip_service_for_grpc_and_metrics(shared: Rendered) -> None:
+    service = shared.one("Service", "-extproc")
+    a = shared.values["admission"]
+    assert service["spec"]["type"] == "ClusterIP"
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc"] == {"name": "grpc", "port": a["grpcPort"], "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}
+    assert ports["admin"]["port"] == a["adminPort"] and ports["admin"]["targetPort"] == "admin"
+    assert _selects(service["spec"]["selector"], shared.one("Deployment", "-extproc"))
+    assert not _selects(service["spec"]["selector"], shared.one("Deployment", "-envoy"))
+
+
+def test_envoys_run_the_sidecar_shapes_envoy_container_and_the_inference_service_selects_them(
+    chart: Chart, shared: Rendered, shared_value_set: tuple[str, dict[str, Any]]
+) -> None:
+    deployment = shared.one("Deployment", "-envoy")
+    assert deployment["spec"]["replicas"] == shared.values["envoy"]["replicas"]
+    # The same named template renders Envoy in both shapes: identical container, identical volume.
+    sidecar_values = {k: v for k, v in shared_value_set[1].items() if k != "shape"}
+    sidecar = chart.render(sidecar_values)
+    assert shared.container("envoy") == sidecar.container("envoy")
+    envoy_volume = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "envoy-config"]
+    assert envoy_volume == [v for v in sidecar.deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "envoy-config"]
+    assert shared.one("ConfigMap", "-envoy")["data"]["prestop.sh"] == sidecar.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
+    # Its pods wait for Envoy's drain only (there is no service beside it).
+    drain = math.ceil(_park_cap(shared)) + shared.values["shutdown"]["inflightAllowanceSeconds"]
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == drain + 2 + 5
+
+    inference = next(s for s in shared.objects if s["kind"] == "Service"
+                     and s["metadata"].get("labels", {}).get("app.kubernetes.io/component") is None)
+    assert _selects(inference["spec"]["selector"], deployment)
+    assert not _selects(inference["spec"]["selector"], shared.one("Deployment", "-extproc"))
+    assert [p["targetPort"] for p in inference["spec"]["ports"]] == ["http"] and "http" in _declared_ports(deployment)
+
+
+def test_the_pod_disruption_budget_covers_the_envoys_only(shared: Rendered) -> None:
+    pdbs = [o for o in shared.objects if o["kind"] == "PodDisruptionBudget"]
+    if not shared.values["podDisruptionBudget"]["enabled"]:
+        assert pdbs == []
+        return
+    assert len(pdbs) == 1
+    selector = pdbs[0]["spec"]["selector"]["matchLabels"]
+    assert _selects(selector, shared.one("Deployment", "-envoy"))
+    # One replica: any budget that protected it would block every node drain.
+    assert not _selects(selector, shared.one("Deployment", "-extproc"))
+
+
+def test_rendered_envoy_config_is_what_the_generator_builds_for_the_shared_service(shared: Rendered, tmp_path: Path) -> None:
+    from extproc.envoyconf import build_envoy_config
+
+    settings = _service_settings(shared, tmp_path)
+    assert settings.grpc_host == "0.0.0.0"
+    merged = shared.values
+    expected = build_envoy_config(
+        settings,
+        listen_host="0.0.0.0", listen_port=merged["envoy"]["port"],
+        admin_host="127.0.0.1", admin_port=merged["envoy"]["adminPort"],
+        extproc_host=_extproc_dns(shared), extproc_port=merged["admission"]["grpcPort"],
+        failure_mode=merged["admission"]["failureMode"],
+        stream_idle_timeout=settings.max_park_seconds + merged["envoy"]["firstTokenAllowanceSeconds"],
+    )
+    got = shared.envoy
+    resources = got["static_resources"]
+    resources["listeners"] = [lst for lst in resources["listeners"] if lst["name"] != "envoy_health"]
+    resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "envoy_admin"]
+    assert got == expected
+    extproc = next(c for c in resources["clusters"] if c["name"] == "extproc")
+    assert extproc["type"] == "STRICT_DNS"
+    address = extproc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert address == {"address": _extproc_dns(shared), "port_value": merged["admission"]["grpcPort"]}
+
+
+def test_envoy_accepts_the_rendered_config(shared: Rendered, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(shared.envoy_text)
+    envoy = Path(sys.executable).parent / "envoy"
+    result = subprocess.run([str(envoy), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"configuration '{path}' OK" in result.stdout
+
+
+def test_metrics_job_llm_admission_is_the_admission_service_in_both_shapes(chart: Chart) -> None:
+    """The ServiceMonitor's admin endpoint (job="llm-admission") reaches the admission containers only."""
+    for values in (VALUE_SETS["monitoring-on"], SHARED_VALUE_SETS["shared-custom"]):
+        r = chart.render(values)
+        monitor = r.one("ServiceMonitor")
+        services = [s for s in r.objects if s["kind"] == "Service"
+                    and monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert [s["metadata"]["name"] for s in services] == [r.one("Service", "-metrics")["metadata"]["name"]]
+        jobs = {}
+        for endpoint in monitor["spec"]["endpoints"]:
+            job = next(x["replacement"] for x in endpoint["relabelings"] if x["targetLabel"] == "job")
+            port = next(p for p in services[0]["spec"]["ports"] if p["name"] == endpoint["port"])
+            # A Service port's endpoints are the selected pods that declare its (named) target port.
+            jobs[job] = sorted(
+                c["name"] for d in r.deployments if _selects(services[0]["spec"]["selector"], d)
+                for c in d["spec"]["template"]["spec"]["containers"] if port["targetPort"] in {p["name"] for p in c["ports"]})
+        assert jobs == {"llm-admission": ["admission"], "llm-admission-envoy": ["envoy"]}
+        assert r.one("PrometheusRule")["spec"]["groups"]
+        assert r.one("ConfigMap", "-dashboard")["data"]["llm-admission.json"]
+
+
+def test_config_changes_roll_the_pods_that_read_them(chart: Chart) -> None:
+    def annotations(values: dict[str, Any], suffix: str) -> dict[str, str]:
+        return chart.render({"shape": "shared", **values}).one("Deployment", suffix)["spec"]["template"]["metadata"]["annotations"]
+
+    assert annotations({}, "-envoy")["checksum/envoy"] != annotations({"admission": {"maxParkSeconds": 60}}, "-envoy")["checksum/envoy"]
+    other = {"engines": [{"name": "vllm", "url": "http://vllm:8000", "models": ["other"]}]}
+    assert annotations({}, "-extproc")["checksum/engines"] != annotations(other, "-extproc")["checksum/engines"]
+
+
+def test_notes_name_the_shared_service_and_what_a_restart_does(chart: Chart) -> None:
+    notes = chart.render(SHARED_VALUE_SETS["shared-default"]).notes
+    assert "kubectl -n inference port-forward svc/demo-llm-admission 8080:8080" in notes
+    assert "3 Envoy pods (Deployment demo-llm-admission-envoy)" in notes
+    assert "port-forward deploy/demo-llm-admission-extproc 9003" in notes
+    assert "1 replica" in notes and "forwards requests ungated" in notes
+    closed = chart.render({"shape": "shared", "admission": {"failureMode": "closed"}}).notes
+    assert "EVERY Envoy, for every restart" in closed
+
