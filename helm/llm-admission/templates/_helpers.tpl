@@ -128,6 +128,9 @@ host, port, http2 (bool), maxRequests, connectTimeout. */}}
       explicit_http_config:
         http2_protocol_options:
           max_concurrent_streams: {{ .maxRequests }}
+          connection_keepalive:
+            interval: 30s
+            timeout: 5s
   {{- end }}
 {{- end -}}
 
