@@ -522,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--all", action="store_true", help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
     add("--replicas", type=int, default=1, help="Envoy (+ service) replicas in front of the one engine")
     add("--replicas-list", default="1,3", help="with --all: the replica counts to run")
-    add("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="engine speed-up K; gateway clocks are scaled by 1/K")
+    add("--time-scale", type=float, default=None,
+        help="engine speed-up K; gateway clocks are scaled by 1/K (default: the scenario's, 20; three-65k 25)")
     add("--seed", type=int, default=None, help="override the scenario's fixed seed")
     add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
     add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
@@ -546,6 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.all and args.mode is None:
         parser.error("--mode is required unless --all is given")
+    if args.time_scale is None:
+        args.time_scale = SCENARIOS[args.scenario].time_scale
     if args.time_scale <= 0 or args.replicas < 1:
         parser.error("--time-scale must be > 0 and --replicas >= 1")
     extra = []
