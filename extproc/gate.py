@@ -11,12 +11,17 @@ Rules (DESIGN.md "Admission semantics"):
   consecutive failed polls) fails OPEN: everything is admitted, parked requests included.
 
 With `local_accounting` (the default; the reference gate ran without it) the load is corrected
-for what the last scrape could not know:
-- a request this replica admitted after `scrape_started - grace` is added (the scrape could not
-  have seen it yet; `grace` covers Envoy-to-engine latency);
-- a request this replica admitted before that point and that finished after the scrape began is
-  subtracted (the scrape counted it, but its slot is free now). This is what lets a local
-  completion wake the head of the queue at once instead of on the next poll.
+for what the last scrape could not know. The engine's gauges lag: vLLM adds an arriving request
+to its scheduler at the start of a step and publishes the gauges at the end of the next one, so
+with 2048-token prefill chunks at ~525 tok/s a request can be invisible for ~8 s. Two estimates
+are kept and the larger wins:
+- ours first: every request of ours whose stream is still open counts once; the scrape is
+  charged only for the load our requests (open at scrape time) cannot explain. This never misses
+  our own requests, however late the gauge shows them;
+- scrape first: the scrape is trusted for requests older than `grace`; ours admitted since are
+  added, and ours it counted that have finished since are subtracted.
+A local completion lowers both at once, so it wakes the head of the queue without waiting for
+the next poll.
 
 KV-token budget (`kv_budget`, needs local accounting). The KV gauge lags: a 65k-token prompt
 admitted at 0% fills the cache over its whole prefill. So every admitted request reserves its
@@ -205,10 +210,20 @@ class EngineGate:
         load = snap.running + snap.waiting
         if not self.limits.local_accounting:
             return load
+        # (a) Every request of ours whose stream is open is at the engine (or on its way): count
+        # each exactly once, and charge the scrape only for what ours cannot explain.
+        at_scrape = sum(1 for t in self._inflight if t.admitted_at is not None and t.admitted_at < snap.scrape_started)
+        at_scrape += sum(1 for f in self._finished if f.admitted_at < snap.scrape_started)
+        ours_first = max(0, load - at_scrape) + len(self._inflight)
+        # (b) The scrape is right about everything older than the grace; add ours since then.
         seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
         unseen = sum(1 for t in self._inflight if t.admitted_at is not None and t.admitted_at >= seen_before)
         freed = sum(1 for f in self._finished if f.admitted_at < seen_before)
-        return max(0, load - freed) + unseen
+        scrape_first = max(0, load - freed) + unseen
+        # (a) never misses our own requests, however late the engine's gauges show them (vLLM
+        # publishes them at the end of the step after the one they arrived in: seconds for long
+        # prefill chunks); (b) does not assume all the observed load is ours. Take the larger.
+        return max(ours_first, scrape_first)
 
     def available_tokens(self) -> int | None:
         """Free KV tokens for new admissions, or None when the budget does not apply."""

@@ -292,3 +292,25 @@ def test_gate_invariants_hold_under_any_interleaving(ops: list, local: bool, dep
     assert all(len(outs) == 1 for outs in final.values())
     fifo = [t for t in release_order if final[t.id][0] is not Outcome.CLIENT_GONE]
     assert fifo == [t for t in park_order if t in fifo]
+
+
+def test_own_requests_count_even_when_the_gauge_shows_them_late() -> None:
+    gate = gate_with(running=0, at=0.0)
+    mine = [arrive(gate, 1.0)[0] for _ in range(4)]
+    # vLLM publishes a request at the end of the step after it arrived: a scrape long after the
+    # admissions can still show an idle engine.
+    gate.observe(snap(running=0, at=6.0), now=6.1)
+    assert gate.effective_load() == 4
+    assert arrive(gate, 6.2)[1] is Outcome.PARKED
+    gate.finish(mine[0], now=7.0)
+    assert gate.effective_load() == 4  # the parked one took the freed slot
+    assert gate.queue_depth == 0
+
+
+def test_load_our_requests_cannot_explain_is_still_counted() -> None:
+    gate = gate_with(running=0, at=0.0)
+    arrive(gate, 1.0)
+    gate.observe(snap(running=3, at=6.0), now=6.1)  # ours + two that bypass this gate
+    assert gate.effective_load() == 3
+    assert arrive(gate, 6.2)[1] is Outcome.ADMITTED
+    assert arrive(gate, 6.3)[1] is Outcome.PARKED
