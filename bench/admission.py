@@ -63,6 +63,7 @@ class BenchConfig:
     scenario: str
     mode: str
     replicas: int = 1
+    shared: bool = False  # the replicas' Envoys share ONE admission service (one ledger)
     time_scale: float = DEFAULT_TIME_SCALE
     seed: int | None = None
     shape: LoadShape = LoadShape()
@@ -160,8 +161,10 @@ class Deployment:
         self.stacks = [first]
         self._first = first
         self._cfg = cfg
+        shared = first if cfg.shared and gated else None
         self._rest = [
-            LocalStack(workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=env, with_extproc=gated)
+            LocalStack(workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=env, with_extproc=gated,
+                       shared_extproc=shared)
             for i in range(1, cfg.replicas)
         ]
 
@@ -203,10 +206,10 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
     rejected: Counter[str] = Counter()
     admitted: Counter[str] = Counter()
     poll_failures: Counter[str] = Counter()
-    for stack in stacks:
-        status, body = http_get(f"{stack.admin_url}/metrics", timeout=5.0)
+    for admin_url in dict.fromkeys(stack.admin_url for stack in stacks):  # a shared service once
+        status, body = http_get(f"{admin_url}/metrics", timeout=5.0)
         if status != 200:
-            raise RuntimeError(f"{stack.admin_url}/metrics answered {status}")
+            raise RuntimeError(f"{admin_url}/metrics answered {status}")
         for name, labels, value in _metric_samples(body.decode()):
             if name == "admission_parked_total":
                 parked += value
@@ -376,6 +379,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "scenario": cfg.scenario,
         "mode": cfg.mode,
         "replicas": cfg.replicas,
+        "shape": "shared" if cfg.shared and cfg.mode != "none" and cfg.replicas > 1 else "sidecar",
         "time_scale": k,
         "seed": seed,
         "requests": len(records),
@@ -450,6 +454,7 @@ def render_run(result: dict[str, Any]) -> str:
 COMBINED_COLUMNS = (
     ("mode", 10, lambda r: r["mode"]),
     ("repl", 5, lambda r: r["replicas"]),
+    ("shape", 8, lambda r: r.get("shape", "sidecar")),
     ("req", 5, lambda r: r["requests"]),
     ("done", 5, lambda r: r["completed"]),
     ("rejected", 22, lambda r: ",".join(f"{k}:{v}" for k, v in r["rejected"].items()) or "0"),
@@ -522,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--all", action="store_true", help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
     add("--replicas", type=int, default=1, help="Envoy (+ service) replicas in front of the one engine")
     add("--replicas-list", default="1,3", help="with --all: the replica counts to run")
+    add("--shared", action="store_true",
+        help="the replicas' Envoys share ONE admission service (the exact-budget shape) instead of one each")
     add("--time-scale", type=float, default=None,
         help="engine speed-up K; gateway clocks are scaled by 1/K (default: the scenario's, 20; three-65k 25)")
     add("--seed", type=int, default=None, help="override the scenario's fixed seed")
@@ -561,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
     shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing)
-    base = dict(scenario=args.scenario, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
+    base = dict(scenario=args.scenario, shared=args.shared, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet)
     if not args.all:
