@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from .conftest import NAMESPACE, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered
-from .test_chart import CRD_KINDS, KUBERNETES_VERSION, _hcm, _park_cap, _service_settings
+from .test_chart import _hcm, _park_cap, _service_settings, validate_manifests
 
 
 def _extproc_dns(r: Rendered) -> str:
@@ -38,19 +37,11 @@ def _declared_ports(deployment: dict[str, Any]) -> set[str]:
 
 
 def test_every_manifest_validates_against_the_kubernetes_schema(shared: Rendered) -> None:
-    checked = 0
-    for obj in shared.objects:
-        if obj["kind"] in CRD_KINDS:
-            continue
-        try:
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            path = ".".join(str(p) for p in exc.path)
-            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+    checked = validate_manifests(shared.objects)
+    assert len(checked) >= 6
+    for obj in checked:
         if obj["kind"] == "Service":  # a DNS label: the Envoys resolve the shared one by name
             assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
-        checked += 1
-    assert checked >= 6
 
 
 def test_shared_shape_is_an_envoy_deployment_and_one_admission_service(chart: Chart) -> None:
