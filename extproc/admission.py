@@ -54,6 +54,7 @@ class Admission:
                 kv_capacity_override=engine.limits.kv_capacity_tokens,
                 backfill=settings.backfill,
                 retry_after_seconds=settings.retry_after_seconds,
+                engine_queue_slots=settings.engine_queue_slots,
             )
             m, name = metrics, engine.name
             gauges = [

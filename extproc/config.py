@@ -69,6 +69,7 @@ class Settings:
     local_accounting: bool
     kv_budget: bool
     backfill: bool
+    engine_queue_slots: int
     bytes_per_token: float
     estimate_safety_factor: float
     default_max_tokens: int
@@ -107,6 +108,7 @@ class Settings:
             "local_accounting": self.local_accounting,
             "kv_budget": self.kv_budget and self.local_accounting,
             "backfill": self.backfill,
+            "engine_queue_slots": self.engine_queue_slots if self.kv_budget and self.local_accounting else 0,
             "bytes_per_token": self.bytes_per_token,
             "estimate_safety_factor": self.estimate_safety_factor,
             "default_max_tokens": self.default_max_tokens,
@@ -317,6 +319,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         local_accounting=_bool("ADMISSION_LOCAL_ACCOUNTING", opt("ADMISSION_LOCAL_ACCOUNTING", "true")),
         kv_budget=_bool("ADMISSION_KV_BUDGET", opt("ADMISSION_KV_BUDGET", "true")),
         backfill=_bool("ADMISSION_BACKFILL", opt("ADMISSION_BACKFILL", "true")),
+        engine_queue_slots=_int("ADMISSION_ENGINE_QUEUE_SLOTS", opt("ADMISSION_ENGINE_QUEUE_SLOTS", "1"), 0),
         bytes_per_token=_float("ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "4"), 0.0, 64.0, low_open=True),
         estimate_safety_factor=_float(
             "ADMISSION_ESTIMATE_SAFETY_FACTOR", opt("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"), 0.5, 4.0),

@@ -40,6 +40,13 @@ invisible to the others until they show in the gauge, so the cap is soft, as the
 design accepted. A request whose cost exceeds the whole capacity can never fit: it is rejected
 at once instead of parked.
 
+Engine queue slots (`engine_queue_slots`, only with the budget): a request released by the gate
+reaches the engine after a gateway round trip, and vLLM adds it at the start of its next step;
+by then the step that freed the slot has already begun without it, so the slot idles for one
+step (seconds during long prefills). Letting a request wait inside the engine beyond max
+in-flight refills a freed slot at the engine's very next step. The budget has already reserved
+the waiting request's KV, so this cannot cause a preemption.
+
 Head-of-line policy: when the head is blocked by the KV budget alone (it has a slot, but not
 enough free KV), a later request may be admitted ahead of it (backfill) if it fits now AND the
 head would still fit once the largest reservation in flight is released, with the backfilled
@@ -81,6 +88,7 @@ class GateLimits:
     backfill: bool = True
     backfill_patience: float = 0.5  # fraction of the park cap after which the head is not bypassed
     retry_after_seconds: int = 5  # fallback when no completion rate is known yet
+    engine_queue_slots: int = 0  # with the budget: requests allowed to wait inside the engine
 
 
 @dataclass(frozen=True)
@@ -247,7 +255,8 @@ class EngineGate:
         assert snap is not None
         load = self.effective_load()
         assert load is not None
-        return snap.kv_usage < self.limits.kv_threshold and load < self.limits.max_inflight
+        limit = self.limits.max_inflight + (self.limits.engine_queue_slots if self._budgeting else 0)
+        return snap.kv_usage < self.limits.kv_threshold and load < limit
 
     def fits(self, ticket: Ticket | None = None) -> bool:
         """Whether `ticket` (or a zero-cost request) would be admitted now, ignoring the queue."""

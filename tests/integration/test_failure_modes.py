@@ -14,7 +14,7 @@ URL = "/v1/chat/completions"
 
 @pytest.mark.parametrize("mode", ["fail", "garbage", "hang", "missing"])
 def test_broken_engine_metrics_go_stale_and_fail_open(stack: Stack, mode: str) -> None:
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     stack.wait_gate(False)
     with ThreadPoolExecutor(2) as pool:
         parked = pool.submit(post, stack.url + URL, chat_body(), {"x-request-id": "held"})

@@ -24,7 +24,7 @@ def _park(pool: ThreadPoolExecutor, stack: Stack, ids: list[str], **body: object
 
 
 def test_full_engine_parks_in_fifo_order_and_a_poll_releases_them(stack: Stack) -> None:
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     stack.wait_gate(False)
     ids = [f"fifo-{i}" for i in range(5)]
     with ThreadPoolExecutor(8) as pool:
@@ -43,10 +43,11 @@ def test_local_completion_releases_the_head_without_waiting_for_a_poll(make_stac
     # Polls are 60 s apart: only a completion seen on the ext_proc stream can release the head.
     stack = make_stack({"ENGINE_POLL_INTERVAL_SECONDS": "60"})
     stack.sim("/control/hold", {"hold": True})
+    # Four slots plus the one request allowed to wait inside the engine (ADMISSION_ENGINE_QUEUE_SLOTS).
     with ThreadPoolExecutor(8) as pool:
         running = [pool.submit(post, stack.url + URL, chat_body(f"r{i}"), {"x-request-id": f"run-{i}"})
-                   for i in range(4)]
-        stack.wait_state(lambda s: s["inflight"] == 4, "four admitted requests in flight")
+                   for i in range(5)]
+        stack.wait_state(lambda s: s["inflight"] == 5, "five admitted requests in flight")
         (parked,) = _park(pool, stack, ["waiter"])
         polls = stack.metric("engine_poll_duration_seconds_count")
         stack.sim("/control/hold", {"hold": False})
@@ -75,7 +76,7 @@ def test_park_cap_answers_503_with_retry_after(make_stack) -> None:  # noqa: ANN
 
 def test_queue_overflow_is_rejected_at_once_while_the_queue_still_waits(make_stack) -> None:  # noqa: ANN001
     stack = make_stack({"VLLM_MAX_QUEUE_DEPTH": "2"})
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     stack.wait_gate(False)
     with ThreadPoolExecutor(4) as pool:
         parked = _park(pool, stack, ["q-0", "q-1"])
@@ -91,7 +92,7 @@ def test_queue_overflow_is_rejected_at_once_while_the_queue_still_waits(make_sta
 
 
 def test_client_disconnect_while_parked_frees_the_place_and_is_never_admitted(stack: Stack) -> None:
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     stack.wait_gate(False)
     sock = open_raw(stack.url + URL, chat_body("bye"), "leaver")
     stack.wait_state(lambda s: s["queue_depth"] == 1, "the request to park")
@@ -106,7 +107,7 @@ def test_client_disconnect_while_parked_frees_the_place_and_is_never_admitted(st
 
 
 def test_sigterm_answers_parked_requests_before_exiting(stack: Stack) -> None:
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     stack.wait_gate(False)
     with ThreadPoolExecutor(2) as pool:
         (parked,) = _park(pool, stack, ["drained"])
@@ -118,7 +119,7 @@ def test_sigterm_answers_parked_requests_before_exiting(stack: Stack) -> None:
     assert stack.arrivals() == []
 
 
-@pytest.mark.parametrize("gauge", [{"running": 2, "waiting": 2}, {"kv_usage": 0.9}])
+@pytest.mark.parametrize("gauge", [{"running": 2, "waiting": 3}, {"kv_usage": 0.9}])
 def test_either_limit_closes_the_gate(stack: Stack, gauge: dict) -> None:
     stack.pin(**gauge)
     stack.wait_gate(False)

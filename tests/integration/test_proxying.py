@@ -61,7 +61,7 @@ def test_unknown_model_through_the_openai_client_is_a_not_found_error(stack: Sta
 
 
 def test_ungated_paths_pass_through_even_while_the_gate_is_closed(stack: Stack) -> None:
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     stack.wait_gate(False)
     models = get(f"{stack.url}/v1/models")
     assert models.status == 200 and models.json()["data"][0]["id"] == "sim-model"
@@ -72,7 +72,7 @@ def test_ungated_paths_pass_through_even_while_the_gate_is_closed(stack: Stack) 
 
 def test_no_observed_models_admits_everything_ungated(make_stack) -> None:  # noqa: ANN001
     stack = make_stack({"ADMISSION_OBSERVE_MODELS": ""})
-    stack.pin(running=4)
+    stack.pin(running=4, waiting=1)
     reply = post(f"{stack.url}/v1/chat/completions", chat_body(model="anything-at-all"))
     assert reply.status == 404  # the engine's own answer: the gateway did not judge the model
     assert "x-admission-outcome" not in reply.headers

@@ -41,7 +41,7 @@ def test_unknown_model_lists_the_known_models(stack: Stack) -> None:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_oversized_body_is_413_without_reaching_the_engine(make_stack, chunked: bool) -> None:  # noqa: ANN001
     stack = make_stack({"MAX_BODY_BYTES": "65536"})
-    stack.pin(running=4)  # a full engine must not delay the 413
+    stack.pin(running=4, waiting=1)  # a full engine must not delay the 413
     stack.wait_gate(False)
     big = chat_body("x" * 70000)
     reply = post(stack.url + URL, big, chunked=chunked)

@@ -162,7 +162,7 @@ def wait_state(stack: LocalStack, predicate: Callable[[dict[str, Any]], bool], w
 
 def park_round(stack: LocalStack) -> list[tuple[int, str]]:
     """Engine full: four requests park or are turned away, one more parks and is released."""
-    sim(stack, "/control/pin", {"running": 4})
+    sim(stack, "/control/pin", {"running": 4, "waiting": 1})
     wait_state(stack, lambda s: s["gate_open"] is False, "the gate to close")
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(chat, stack) for _ in range(4)]

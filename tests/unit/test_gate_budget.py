@@ -218,3 +218,16 @@ def test_budget_never_reserves_more_than_capacity_under_any_interleaving(ops: li
         if gate.state is EngineState.FRESH:
             available = gate.available_tokens()
             assert available is not None and available <= CAPACITY - held
+
+
+def test_engine_queue_slots_let_one_request_wait_inside_the_engine_with_the_budget() -> None:
+    limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=True, engine_queue_slots=1)
+    gate = gate_with(limits, running=4)
+    assert arrive(gate, 1.0, SMALL)[1] is Outcome.ADMITTED  # waits in the engine: its KV is reserved
+    assert arrive(gate, 1.1, SMALL)[1] is Outcome.PARKED
+
+
+def test_engine_queue_slots_do_nothing_without_the_budget() -> None:
+    limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=False, engine_queue_slots=1)
+    gate = gate_with(limits, running=4)
+    assert arrive(gate, 1.0, SMALL)[1] is Outcome.PARKED
