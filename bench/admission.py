@@ -55,7 +55,8 @@ CLIENT_TIMEOUT_S = 900.0  # wall seconds; the openai client's per-request timeou
 # Settings that make the service behave like the reference gate: decisions from the last poll
 # only. Every feature that is on by default gets its switch here, so `reference` keeps meaning
 # "as it shipped" (the service ignores variables it does not know).
-REFERENCE_ENV = {"ADMISSION_LOCAL_ACCOUNTING": "false", "ADMISSION_KV_BUDGET": "false"}
+REFERENCE_ENV = {"ADMISSION_LOCAL_ACCOUNTING": "false", "ADMISSION_KV_BUDGET": "false",
+                 "ADMISSION_WAIT_ESTIMATES": "false"}
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class Admission:
                 backfill=settings.backfill,
                 retry_after_seconds=settings.retry_after_seconds,
                 engine_queue_slots=settings.engine_queue_slots,
+                wait_estimates=settings.wait_estimates,
             )
             m, name = metrics, engine.name
             gauges = [

@@ -39,6 +39,7 @@ configuration (environment variables, read once at startup; a bad value exits wi
   ADMISSION_ESTIMATE_SAFETY_FACTOR  multiplier on the prompt token estimate    [1.0]
   ADMISSION_DEFAULT_MAX_TOKENS   generation allowance when a request sets no max_tokens  [1024]
   ADMISSION_BACKFILL             let small requests pass a KV-blocked head when it cannot delay it  [true]
+  ADMISSION_WAIT_ESTIMATES       Retry-After from the completion rate; reject at once if the wait exceeds the park cap  [true]
   ADMISSION_ENGINE_QUEUE_SLOTS   with the budget: requests that may wait inside the engine beyond max in-flight  [1]
   ADMISSION_GATED_PATHS          POST paths subject to admission  [/v1/chat/completions,/v1/completions]
   EXTPROC_LISTEN                 gRPC ext_proc listen address                  [127.0.0.1:9002]

@@ -70,6 +70,7 @@ class Settings:
     kv_budget: bool
     backfill: bool
     engine_queue_slots: int
+    wait_estimates: bool
     bytes_per_token: float
     estimate_safety_factor: float
     default_max_tokens: int
@@ -108,6 +109,7 @@ class Settings:
             "local_accounting": self.local_accounting,
             "kv_budget": self.kv_budget and self.local_accounting,
             "backfill": self.backfill,
+            "wait_estimates": self.wait_estimates,
             "engine_queue_slots": self.engine_queue_slots if self.kv_budget and self.local_accounting else 0,
             "bytes_per_token": self.bytes_per_token,
             "estimate_safety_factor": self.estimate_safety_factor,
@@ -319,6 +321,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         local_accounting=_bool("ADMISSION_LOCAL_ACCOUNTING", opt("ADMISSION_LOCAL_ACCOUNTING", "true")),
         kv_budget=_bool("ADMISSION_KV_BUDGET", opt("ADMISSION_KV_BUDGET", "true")),
         backfill=_bool("ADMISSION_BACKFILL", opt("ADMISSION_BACKFILL", "true")),
+        wait_estimates=_bool("ADMISSION_WAIT_ESTIMATES", opt("ADMISSION_WAIT_ESTIMATES", "true")),
         engine_queue_slots=_int("ADMISSION_ENGINE_QUEUE_SLOTS", opt("ADMISSION_ENGINE_QUEUE_SLOTS", "1"), 0),
         bytes_per_token=_float("ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "4"), 0.0, 64.0, low_open=True),
         estimate_safety_factor=_float(

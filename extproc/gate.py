@@ -89,6 +89,7 @@ class GateLimits:
     backfill_patience: float = 0.5  # fraction of the park cap after which the head is not bypassed
     retry_after_seconds: int = 5  # fallback when no completion rate is known yet
     engine_queue_slots: int = 0  # with the budget: requests allowed to wait inside the engine
+    wait_estimates: bool = True  # Retry-After from the completion rate; early rejection
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,8 @@ class EngineGate:
 
     def expected_wait(self, position: int) -> float | None:
         """Seconds until a request at queue `position` (1 = head) is likely admitted."""
+        if not self.limits.wait_estimates:
+            return None
         rate = self.completion_rate()
         return position / rate if rate else None
 

@@ -231,3 +231,15 @@ def test_engine_queue_slots_do_nothing_without_the_budget() -> None:
     limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=False, engine_queue_slots=1)
     gate = gate_with(limits, running=4)
     assert arrive(gate, 1.0, SMALL)[1] is Outcome.PARKED
+
+
+def test_without_wait_estimates_retry_after_is_fixed_and_nothing_is_rejected_early() -> None:
+    limits = GateLimits(4, 0.9, 100, 10.0, kv_budget=True, wait_estimates=False, retry_after_seconds=5)
+    gate = gate_with(limits)
+    tickets = [arrive(gate, 0.0, 16)[0] for _ in range(4)]
+    for i, t in enumerate(tickets):
+        gate.finish(t, now=1.0 + i)
+    gate.observe(snap(running=5, at=5.0), now=5.0)
+    outcomes = [gate.arrive(Ticket(model="m", arrived=6.0, tokens=16), 6.0).outcome for _ in range(20)]
+    assert outcomes == [Outcome.PARKED] * 20
+    assert gate.retry_after(20) == 5
