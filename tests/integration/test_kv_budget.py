@@ -36,8 +36,11 @@ def test_the_budget_parks_what_the_gauges_cannot_see_yet(stack: Stack) -> None:
         stack.wait_state(lambda s: s["inflight"] == 2, "two admitted requests")
         third = pool.submit(post, stack.url + URL, chat_body("b" * 12_000, **body), {"x-request-id": "kv-2"})
         state = stack.wait_state(lambda s: s["queue_depth"] == 1, "the third request to park")
-        assert state["effective_load"] == 2 and state["snapshot"]["kv_usage"] == 0.0  # reference gates open
+        # The slot and KV-threshold gates are open and the gauge shows no KV in use: only the
+        # budget, which knows the two admitted requests will need 7,008 tokens, holds it back.
+        assert state["gate_open"] and state["snapshot"]["kv_usage"] == 0.0
         assert stack.metric("admission_kv_reserved_tokens") == 2 * 3504
+        assert stack.metric("admission_kv_available_tokens") < 3504
         stack.sim("/control/hold", {"hold": False})
         assert [f.result(timeout=30).status for f in first] == [200, 200]
         assert third.result(timeout=30).status == 200
