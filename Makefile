@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test unit envoy-config clean help
+.PHONY: setup system-deps run test unit envoy-config clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
@@ -26,7 +26,10 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(PY) -m extproc.devstack
 
-test: $(STAMP)
+system-deps:
+	bash scripts/install-system-deps.sh
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest
 
 unit: $(STAMP)
