@@ -162,20 +162,19 @@ class Deployment:
         self.stacks = [first]
         self._first = first
         self._cfg = cfg
-        shared = first if cfg.shared and gated else None
-        self._rest = [
-            LocalStack(workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=env, with_extproc=gated,
-                       shared_extproc=shared)
-            for i in range(1, cfg.replicas)
-        ]
+        self._workdir, self._env, self._gated = workdir, env, gated
 
     @property
     def engine_url(self) -> str:
         return self._first.engine_base
 
     def start(self) -> None:
-        self._first.start()
-        for stack in self._rest:
+        first, cfg = self._first, self._cfg
+        first.start()
+        shared = first if cfg.shared and self._gated else None
+        for i in range(1, cfg.replicas):  # built once the engine's port is final
+            stack = LocalStack(self._workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=self._env,
+                               with_extproc=self._gated, shared_extproc=shared)
             self.stacks.append(stack)
             stack.start()
         if self._cfg.mode != "none":

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +67,14 @@ def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # noq
             last_error = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+
+
+class ChildExited(RuntimeError):
+    """A child process exited while it was expected to become ready."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass
@@ -138,12 +146,13 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # Ports picked here may be taken by someone else before the child binds them; those
+        # (and only those) are re-picked when a child fails with "address already in use".
+        self._picked: set[str] = set()
         for name in ("envoy_port", "envoy_admin_port", "grpc_port", "admin_port", "sim_port"):
             if not getattr(self, name):
                 setattr(self, name, free_port())
-        if self.shared_extproc is not None:  # one admission service behind several Envoys
-            self.grpc_port = self.shared_extproc.grpc_port
-            self.admin_port = self.shared_extproc.admin_port
+                self._picked.add(name)
         self.sim: Child | None = None
         self.extproc: Child | None = None
         self.envoy: Child | None = None
@@ -159,8 +168,13 @@ class LocalStack:
         return f"http://127.0.0.1:{self.envoy_port}"
 
     @property
+    def service(self) -> LocalStack:
+        """The stack whose admission service this stack's Envoy uses (itself unless shared)."""
+        return self.shared_extproc or self
+
+    @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        return f"http://127.0.0.1:{self.service.admin_port}"
 
     @property
     def envoy_admin_url(self) -> str:
@@ -197,22 +211,30 @@ class LocalStack:
         return self
 
     def start_sim(self, timeout: float = 30.0) -> None:
-        argv = [console_script("enginesim"), "--host", "127.0.0.1", "--port", str(self.sim_port), "--model", SIM_MODEL, *self.sim_args]
-        self.sim = Child("enginesim", argv, dict(os.environ), self._log("enginesim"))
-        self.sim.start()
-        self._wait_http(self.sim, f"{self.engine_base}/health", timeout)
+        def launch() -> None:
+            argv = [console_script("enginesim"), "--host", "127.0.0.1", "--port", str(self.sim_port),
+                    "--model", SIM_MODEL, *self.sim_args]
+            self.sim = Child("enginesim", argv, dict(os.environ), self._log("enginesim"))
+            self.sim.start()
+            self._wait_http(self.sim, f"{self.engine_base}/health", timeout)
+
+        self._launch_retrying(launch, ("sim_port",))
 
     def start_extproc(self, timeout: float = 30.0) -> None:
-        self.extproc = Child("extproc", [console_script("extproc"), "serve", "--grace", "5"], self.service_env(), self._log("extproc"))
-        self.extproc.start()
-        self._wait_http(self.extproc, f"{self.admin_url}/readyz", timeout)
+        def launch() -> None:
+            self.extproc = Child("extproc", [console_script("extproc"), "serve", "--grace", "5"], self.service_env(),
+                                 self._log("extproc"))
+            self.extproc.start()
+            self._wait_http(self.extproc, f"{self.admin_url}/readyz", timeout)
+
+        self._launch_retrying(launch, ("grpc_port", "admin_port"))
 
     def write_envoy_config(self) -> Path:
         settings = load_settings(self.service_env())
         kwargs = {
             "listen_host": "127.0.0.1", "listen_port": self.envoy_port,
             "admin_host": "127.0.0.1", "admin_port": self.envoy_admin_port,
-            "extproc_host": "127.0.0.1", "extproc_port": self.grpc_port, **self.envoy_args,
+            "extproc_host": "127.0.0.1", "extproc_port": self.service.grpc_port, **self.envoy_args,
         }
         text = render_envoy_config(settings, **kwargs)  # type: ignore[arg-type]
         if not self.with_extproc:
@@ -227,14 +249,30 @@ class LocalStack:
         return path
 
     def start_envoy(self, timeout: float = 30.0) -> None:
-        path = self.write_envoy_config()
-        argv = [
-            console_script("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
-            "--log-level", "warn", "--drain-time-s", "1",
-        ]
-        self.envoy = Child("envoy", argv, dict(os.environ), self._log("envoy"))
-        self.envoy.start()
-        self._wait_http(self.envoy, f"{self.envoy_admin_url}/ready", timeout)
+        def launch() -> None:
+            path = self.write_envoy_config()
+            argv = [
+                console_script("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
+                "--log-level", "warn", "--drain-time-s", "1",
+            ]
+            self.envoy = Child("envoy", argv, dict(os.environ), self._log("envoy"))
+            self.envoy.start()
+            self._wait_http(self.envoy, f"{self.envoy_admin_url}/ready", timeout)
+
+        self._launch_retrying(launch, ("envoy_port", "envoy_admin_port"))
+
+    def _launch_retrying(self, launch: Callable[[], None], ports: tuple[str, ...], attempts: int = 3) -> None:
+        """Run `launch`; if the child lost a race for a port this stack picked, re-pick and retry."""
+        for attempt in range(attempts):
+            try:
+                launch()
+                return
+            except ChildExited as exc:
+                retry = attempt + 1 < attempts and "address already in use" in exc.output.lower()
+                if not retry or not set(ports) <= self._picked:
+                    raise
+                for name in ports:
+                    setattr(self, name, free_port())
 
     def stop(self) -> None:
         for child in (self.envoy, self.extproc, self.sim):
@@ -251,7 +289,10 @@ class LocalStack:
     def _wait_http(self, child: Child, url: str, timeout: float) -> None:
         def ready() -> bool:
             if not child.alive():
-                raise RuntimeError(f"{child.name} exited with {child.process.returncode if child.process else '?'}:\n{child.log_tail()}")
+                code = child.process.returncode if child.process else "?"
+                output = child.log_tail()
+                child.stop()
+                raise ChildExited(f"{child.name} exited with {code}:\n{output}", output)
             return http_get(url, timeout=1.0)[0] == 200
 
         try:

@@ -41,6 +41,7 @@ class Service:
         self._health = health.aio.HealthServicer()
         self._admin: web.AppRunner | None = None
         self._ready = False
+        self._grpc_started = False
         self.grpc_port = settings.grpc_port
         self.admin_port = settings.admin_port
 
@@ -59,10 +60,15 @@ class Service:
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(s, self.admission, self.metrics), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{_bracket(s.grpc_host)}:{s.grpc_port}")
+        try:
+            self.grpc_port = self._grpc.add_insecure_port(f"{_bracket(s.grpc_host)}:{s.grpc_port}")
+        except RuntimeError:  # grpc reports a failed bind as RuntimeError, the reason on stderr
+            self.grpc_port = 0
         if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {s.grpc_host}:{s.grpc_port} (EXTPROC_LISTEN)")
+            raise OSError(f"cannot listen on {s.grpc_host}:{s.grpc_port} (EXTPROC_LISTEN): "
+                          "the address is in use or not available")
         await self._grpc.start()
+        self._grpc_started = True
         for name in ("", EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -78,7 +84,7 @@ class Service:
         self._ready = False
         await self._health.enter_graceful_shutdown()
         self.admission.shutdown()
-        if self._grpc is not None:
+        if self._grpc is not None and self._grpc_started:
             await self._grpc.stop(grace)
         await self.observer.stop()
         if self._admin is not None:
@@ -97,7 +103,11 @@ async def serve(settings: Settings, grace: float) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    try:
+        await service.start()
+    except BaseException:
+        await service.stop(0)  # close what did start (the observer's session, the servers)
+        raise
     await stop.wait()
     log.info("signal received; draining", extra={"grace_s": grace})
     await service.stop(grace)
