@@ -32,7 +32,6 @@ import json
 import math
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from .conftest import NAMESPACE, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered
-from .test_chart import _hcm, _park_cap, _service_settings, validate_manifests
+from .test_chart import _park_cap, _service_settings, validate_manifests
 
 
 def _extproc_dns(r: Rendered) -> str:

@@ -16,7 +16,7 @@ URL = "/v1/chat/completions"
 def _park(pool: ThreadPoolExecutor, stack: Stack, ids: list[str], **body: object) -> list[Future[Reply]]:
     """Send one request per id, each only once the previous one is parked, so FIFO order is known."""
     futures = []
-    for n, request_id in enumerate(ids, start=1):
+    for request_id in ids:
         depth_before = stack.engine_state()["queue_depth"]
         futures.append(pool.submit(post, stack.url + URL, chat_body(request_id, **body), {"x-request-id": request_id}))
         stack.wait_state(lambda s, d=depth_before: s["queue_depth"] == d + 1, f"{request_id} to park")
