@@ -116,7 +116,12 @@ class Admission:
     # --- engine side ----------------------------------------------------------------------
 
     def observe(self, engine: str, snapshot: EngineSnapshot) -> None:
-        self._apply(engine, self._engines[engine].gate.observe(snapshot, self.now()))
+        gate = self._engines[engine].gate
+        was_stale = gate.state is EngineState.STALE
+        decisions = gate.observe(snapshot, self.now())
+        if was_stale:
+            log.info("engine state is fresh again", extra={"engine": engine})
+        self._apply(engine, decisions)
 
     def poll_failed(self, engine: str) -> None:
         gate = self._engines[engine].gate

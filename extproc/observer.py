@@ -121,10 +121,7 @@ class EngineObserver:
             block_size=gauges.block_size,
         )
         self._log_capacity_source(engine, gauges)
-        was_stale = self._admission.gate(engine.name).state.value == "stale"
         self._admission.observe(engine.name, snapshot)
-        if was_stale:
-            log.info("engine state is fresh again", extra={"engine": engine.name})
 
     def _log_capacity_source(self, engine: EngineConfig, gauges: EngineGauges) -> None:
         """Say once (and on every change) where the KV capacity for the budget comes from."""
