@@ -23,8 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from .config import load_settings
-from .envoyconf import render_envoy_config
+from .envoyconf import build_envoy_config
 
 SIM_MODEL = "sim-model"
 
@@ -236,14 +238,11 @@ class LocalStack:
             "admin_host": "127.0.0.1", "admin_port": self.envoy_admin_port,
             "extproc_host": "127.0.0.1", "extproc_port": self.service.grpc_port, **self.envoy_args,
         }
-        text = render_envoy_config(settings, **kwargs)  # type: ignore[arg-type]
-        if not self.with_extproc:
-            import yaml
-
-            doc = yaml.safe_load(text)
+        doc = build_envoy_config(settings, **kwargs)  # type: ignore[arg-type]
+        if not self.with_extproc:  # Envoy straight to the engine (the benchmark's `none` mode)
             hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
             hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-            text = yaml.safe_dump(doc, sort_keys=False)
+        text = yaml.safe_dump(doc, sort_keys=False)
         path = self.workdir / "envoy.yaml"
         path.write_text(text)
         return path
