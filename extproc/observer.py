@@ -80,11 +80,18 @@ class EngineObserver:
             await asyncio.sleep(next_at - now)
 
     async def poll_once(self, engine: EngineConfig) -> None:
+        """Fetch and parse the engine's metrics once, and time it whatever the outcome."""
+        t0 = time.perf_counter()
+        try:
+            await self._poll(engine)
+        finally:
+            self._metrics.poll_duration.labels(engine.name).observe(time.perf_counter() - t0)
+
+    async def _poll(self, engine: EngineConfig) -> None:
         assert self._session is not None
         first = self._polls[engine.name] == 0
         self._polls[engine.name] += 1
         started = self._admission.now()
-        t0 = time.perf_counter()
         try:
             async with self._session.get(engine.metrics_url) as response:
                 if response.status != 200:
@@ -101,8 +108,6 @@ class EngineObserver:
         except MetricsFormatError as exc:
             self._set_degraded(engine, True, str(exc), first)
             return self._failed(engine, "unparsable", str(exc), first, degraded_logged=True)
-        finally:
-            self._metrics.poll_duration.labels(engine.name).observe(time.perf_counter() - t0)
         self._set_degraded(engine, False, "", first)
         self._succeeded(engine, gauges, started)
 
