@@ -9,6 +9,15 @@ OpenMetrics Accept header), as vLLM serves it.
 service logs ERROR and sets it to 1; afterwards it is 1 exactly while fetched documents do not
 parse. A fetch failure (engine down) leaves it as it was after the first poll: that is staleness,
 not a format problem.
+
+A document is used only if it parses completely (`parse_engine_metrics`): a truncated body, a
+missing family, a value out of range is a failed poll (`engine_poll_failures_total{reason=
+"unparsable"}`) and the gate keeps the last good state until `stale_after_polls` failures in a
+row make it fail open. Once an engine has shown `vllm:cache_config_info`, a document without it
+is such a failure too (a body cut in half), not a reason to switch the KV budget off; a
+different capacity (the engine restarted with another cache size) is taken and logged. The
+expectation lasts for the life of this process: restart the service if an engine is downgraded
+to a version that does not expose the family at all.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ class EngineObserver:
         self._polls: dict[str, int] = {}
         self._degraded: dict[str, bool] = {}
         self._capacity_source: dict[str, str] = {}
+        self._capacity_seen: dict[str, bool] = {}  # the engine has shown vllm:cache_config_info
         self._engines = [e for e in settings.engines if e.models]
 
     async def start(self) -> None:
@@ -104,11 +114,13 @@ class EngineObserver:
         except aiohttp.ClientError as exc:
             return self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)
         try:
-            gauges = parse_engine_metrics(text)
+            gauges = parse_engine_metrics(text, expect_capacity=self._capacity_seen.get(engine.name, False))
         except MetricsFormatError as exc:
             self._set_degraded(engine, True, str(exc), first)
             return self._failed(engine, "unparsable", str(exc), first, degraded_logged=True)
         self._set_degraded(engine, False, "", first)
+        if gauges.capacity_tokens:
+            self._capacity_seen[engine.name] = True
         self._succeeded(engine, gauges, started)
 
     def _succeeded(self, engine: EngineConfig, gauges: EngineGauges, started: float) -> None:

@@ -39,7 +39,7 @@ def test_capacity_is_blocks_times_block_size_summed_over_ranks() -> None:
 
 
 def test_capacity_is_unknown_without_cache_config_info() -> None:
-    text = "\n".join(line for line in EXPOSITION.splitlines() if "cache_config" not in line)
+    text = "".join(line for line in EXPOSITION.splitlines(keepends=True) if "cache_config" not in line)
     assert parse_engine_metrics(text).capacity_tokens is None
 
 
@@ -51,7 +51,7 @@ def test_falls_back_to_the_pre_0_11_kv_gauge_name() -> None:
 @pytest.mark.parametrize(
     "text,needle",
     [
-        ("<html>oops</html>\x00\x01", "missing series"),
+        ("<html>oops</html>\x00\x01\n", "missing series"),
         ("", "missing series"),
         (EXPOSITION.replace("vllm:kv_cache_usage_perc", "vllm:other"), "vllm:kv_cache_usage_perc"),
         ('vllm:num_requests_running{engine="0"} abc\n', "unparsable"),
@@ -61,3 +61,71 @@ def test_falls_back_to_the_pre_0_11_kv_gauge_name() -> None:
 def test_documents_without_the_three_gauges_are_errors(text: str, needle: str) -> None:
     with pytest.raises(MetricsFormatError, match=needle):
         parse_engine_metrics(text)
+
+
+# --- defect 8: a document is trusted only if it parsed completely --------------------------
+
+
+def test_a_body_cut_inside_a_number_is_rejected_not_read_as_a_shorter_number() -> None:
+    # `0.97` cut after `0.` parses as 0.0 and would open the gate.
+    text = EXPOSITION.replace("} 0.75\n", "} 0.97\n")
+    cut = text[: text.index("} 0.97") + len("} 0.")]
+    with pytest.raises(MetricsFormatError, match="truncated"):
+        parse_engine_metrics(cut)
+
+
+@pytest.mark.parametrize("cut", range(1, len(EXPOSITION)))
+def test_every_truncation_of_the_document_is_rejected_or_reads_the_full_values(cut: int) -> None:
+    """However the body is cut, the poll either fails or yields exactly the full document's figures."""
+    full = parse_engine_metrics(EXPOSITION, expect_capacity=True)
+    try:
+        gauges = parse_engine_metrics(EXPOSITION[:cut], expect_capacity=True)
+    except MetricsFormatError:
+        return
+    assert gauges == full
+
+
+def test_a_body_cut_in_half_after_capacity_was_seen_is_a_failed_poll() -> None:
+    half = EXPOSITION[: EXPOSITION.index("# HELP vllm:cache_config_info")]
+    assert parse_engine_metrics(half).capacity_tokens is None  # an engine that never said
+    with pytest.raises(MetricsFormatError, match="cache_config_info is missing"):
+        parse_engine_metrics(half, expect_capacity=True)
+
+
+def test_a_cut_between_two_ranks_of_cache_config_info_is_rejected() -> None:
+    lines = EXPOSITION.splitlines(keepends=True)
+    text = "".join(line for line in lines if not line.startswith('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1"'))
+    with pytest.raises(MetricsFormatError, match="ranks"):
+        parse_engine_metrics(text)
+
+
+def test_a_gauge_missing_for_one_rank_is_rejected() -> None:
+    text = EXPOSITION.replace('vllm:kv_cache_usage_perc{model_name="m",engine="1"} 0.75\n', "")
+    with pytest.raises(MetricsFormatError, match="ranks"):
+        parse_engine_metrics(text)
+
+
+def test_a_capacity_change_is_taken() -> None:
+    text = EXPOSITION.replace('num_gpu_blocks="9527"', 'num_gpu_blocks="4000"')
+    assert parse_engine_metrics(text, expect_capacity=True).capacity_tokens == 2 * 4000 * 16
+
+
+@pytest.mark.parametrize(
+    "old,new,needle",
+    [
+        ('engine="1"} 0.75', 'engine="1"} 1.5', "out of range"),
+        ('engine="1"} 0.75', 'engine="1"} NaN', "non-finite"),
+        ('engine="1"} 0.75', 'engine="1"} +Inf', "non-finite"),
+        ('engine="0"} 3.0', 'engine="0"} NaN', "non-finite"),
+        ('engine="0"} 3.0', 'engine="0"} 2.5', "non-integral"),
+        ('engine="0"} 2.0', 'engine="0"} 1e300000', "non-finite"),
+    ],
+)
+def test_values_out_of_range_are_rejected(old: str, new: str, needle: str) -> None:
+    assert old in EXPOSITION
+    with pytest.raises(MetricsFormatError, match=needle):
+        parse_engine_metrics(EXPOSITION.replace(old, new, 1))
+
+
+def test_kv_usage_of_exactly_one_is_in_range() -> None:
+    assert parse_engine_metrics(EXPOSITION.replace('engine="1"} 0.75', 'engine="1"} 1.0')).kv_usage == 1.0
