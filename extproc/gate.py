@@ -13,15 +13,31 @@ Rules (DESIGN.md "Admission semantics"):
 With `local_accounting` (the default; the reference gate ran without it) the load is corrected
 for what the last scrape could not know. The engine's gauges lag: vLLM adds an arriving request
 to its scheduler at the start of a step and publishes the gauges at the end of the next one, so
-with 2048-token prefill chunks at ~525 tok/s a request can be invisible for ~8 s. Two estimates
-are kept and the larger wins:
-- ours first: every request of ours whose stream is still open counts once; the scrape is
-  charged only for the load our requests (open at scrape time) cannot explain. This never misses
-  our own requests, however late the gauge shows them;
-- scrape first: the scrape is trusted for requests older than `grace`; ours admitted since are
-  added, and ours it counted that have finished since are subtracted.
-A local completion lowers both at once, so it wakes the head of the queue without waiting for
-the next poll.
+with 2048-token prefill chunks at ~525 tok/s a request can be invisible for ~8 s. So:
+
+    load  = others + len(ours open)
+    others = max(0, scrape - ours the scrape is taken to include)
+
+Every request of ours whose stream is open counts exactly once, however late the gauge shows it.
+`others` is what the scrape shows that our requests cannot explain (callers that bypass this
+gate, other replicas). Which of ours the scrape includes:
+- admitted more than `grace` before the scrape began: included (the gauge has caught up);
+- admitted within the grace and still open: NOT included, so `others` keeps the load that might
+  belong to someone else (if the scrape did see it, it is counted twice until it finishes);
+- admitted within the grace and finished since: included. It no longer loads the engine whether
+  or not the scrape caught it, so it must not keep a slot;
+- admitted after the scrape began: not included.
+The KV budget splits the observed KV usage the same way (below).
+
+Invariant (work conservation): a request of ours that finishes frees its slot and its KV
+reservation at once in every term, so a parked request is released by the very event that gives
+the engine room, never at the next poll. In front of an engine that nobody else calls, whose
+gauges show a request `grace` after its admission, the gate's load and free KV equal the
+engine's after every event; with a shorter lag the only excess is our own open requests admitted
+within the grace that the scrape did show, and it ends when each of them does
+(`tests/unit/test_gate_work_conservation.py`). The price: a request of ours that finished before
+the engine ever showed it is taken as seen, which can hide one request of others' until the next
+scrape (others exist only with callers that bypass the gate, or with independent replicas).
 
 KV-token budget (`kv_budget`, needs local accounting). The KV gauge lags: a 65k-token prompt
 admitted at 0% fills the cache over its whole prefill. So every admitted request reserves its
@@ -32,8 +48,8 @@ request is admitted only if its cost fits:
     others    = max(0, used - reserved_seen)    # usage this replica's requests cannot explain
 
 `used` is the last scrape's KV usage x capacity; `reserved_seen` is what this replica had
-reserved for requests the scrape could see (including ones finished since); `reserved` is what
-it holds now. Our own requests' allocation is inside their reservation, so only the rest of the
+reserved for the requests the scrape is taken to include (as above: finished ones included);
+`reserved` is what it holds now. Our own requests' allocation is inside their reservation, so only the rest of the
 observed usage is charged again. With one gate in front of an engine this is an exact budget
 (given the estimates); with several independent gates each one's unallocated reservations are
 invisible to the others until they show in the gauge, so the cap is soft, as the reference
@@ -211,6 +227,24 @@ class EngineGate:
         block = self.block_size
         return math.ceil(ticket.tokens / block) * block
 
+    def _ours_in_scrape(self, snap: EngineSnapshot) -> tuple[int, int]:
+        """How many of our requests, and how many of their reserved KV tokens, the scrape includes.
+
+        See the module docstring: open ones admitted more than `grace` before the scrape, and
+        every one admitted before the scrape that has finished since.
+        """
+        seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
+        count = reserved = 0
+        for t in self._inflight:
+            if t.admitted_at is not None and t.admitted_at < seen_before:
+                count += 1
+                reserved += t.reserved
+        for f in self._finished:  # finished after the scrape began (older ones are dropped on observe)
+            if f.admitted_at < snap.scrape_started:
+                count += 1
+                reserved += f.reserved
+        return count, reserved
+
     def effective_load(self) -> int | None:
         """running + waiting as the gate believes it now, or None without a usable snapshot."""
         snap = self._snapshot
@@ -219,20 +253,8 @@ class EngineGate:
         load = snap.running + snap.waiting
         if not self.limits.local_accounting:
             return load
-        # (a) Every request of ours whose stream is open is at the engine (or on its way): count
-        # each exactly once, and charge the scrape only for what ours cannot explain.
-        at_scrape = sum(1 for t in self._inflight if t.admitted_at is not None and t.admitted_at < snap.scrape_started)
-        at_scrape += sum(1 for f in self._finished if f.admitted_at < snap.scrape_started)
-        ours_first = max(0, load - at_scrape) + len(self._inflight)
-        # (b) The scrape is right about everything older than the grace; add ours since then.
-        seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
-        unseen = sum(1 for t in self._inflight if t.admitted_at is not None and t.admitted_at >= seen_before)
-        freed = sum(1 for f in self._finished if f.admitted_at < seen_before)
-        scrape_first = max(0, load - freed) + unseen
-        # (a) never misses our own requests, however late the engine's gauges show them (vLLM
-        # publishes them at the end of the step after the one they arrived in: seconds for long
-        # prefill chunks); (b) does not assume all the observed load is ours. Take the larger.
-        return max(ours_first, scrape_first)
+        included, _ = self._ours_in_scrape(snap)
+        return max(0, load - included) + len(self._inflight)
 
     def available_tokens(self) -> int | None:
         """Free KV tokens for new admissions, or None when the budget does not apply."""
@@ -240,12 +262,8 @@ class EngineGate:
         snap = self._snapshot
         if not self._budgeting or capacity is None or snap is None or self.state is not EngineState.FRESH:
             return None
-        seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
-        reserved_seen = sum(
-            t.reserved for t in self._inflight if t.admitted_at is not None and t.admitted_at < seen_before
-        ) + sum(f.reserved for f in self._finished if f.admitted_at < seen_before)
-        used = snap.kv_usage * capacity
-        others = max(0.0, used - reserved_seen)
+        _, reserved_seen = self._ours_in_scrape(snap)
+        others = max(0.0, snap.kv_usage * capacity - reserved_seen)
         return math.floor(capacity - others - self.reserved_tokens)
 
     def _slot_open(self) -> bool:
