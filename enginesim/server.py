@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -41,7 +42,7 @@ log = logging.getLogger("enginesim.server")
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
-METRICS_MODES = ("ok", "fail", "hang", "garbage", "missing")
+METRICS_MODES = ("ok", "fail", "hang", "garbage", "missing", "truncated", "half", "nan", "out_of_range")
 GARBAGE_BODY = b"<html>oops</html>\n\x00\xff\xfe\x89PNG\r\n\x1a\n{{not prometheus}}\nvllm:\n"
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -195,7 +196,13 @@ class ControlApi:
       /metrics reports these values (on every engine rank) instead of the model's; a key
       set to null unpins that gauge, a missing key leaves it as it is.
     - ``POST /control/unpin``: clear every pin.
-    - ``POST /control/metrics_mode`` ``{"mode": "ok"|"fail"|"hang"|"garbage"|"missing"}``.
+    - ``POST /control/metrics_mode`` ``{"mode": MODE}``, a 200 document unless said otherwise:
+      ``ok``; ``fail`` (HTTP 500); ``hang`` (no answer); ``garbage`` (not Prometheus text);
+      ``missing`` (without the three scheduler gauges); ``truncated`` (cut two characters into
+      the first ``vllm:kv_cache_usage_perc`` value, so ``0.97`` ends as ``0.``); ``half`` (the
+      first half of the lines, cut at a line boundary: the gauges stay, ``cache_config_info``
+      near the end is lost); ``nan`` / ``out_of_range`` (every KV usage value reads ``NaN`` /
+      ``1.5``).
     - ``POST /control/hold`` ``{"hold": bool}``: stop / resume engine steps.
     - ``GET /control/state``, ``GET /control/arrivals``: what the engine saw.
     - ``POST /control/reset``: fresh schedulers and metrics; also unpins, sets the metrics
@@ -308,7 +315,31 @@ class MetricsApi:
             return web.Response(body=generate_openmetrics(metrics.registry),
                                 headers={"Content-Type": OPENMETRICS_TYPE})
         body = metrics.exposition(without_gauges=(mode == "missing"))
+        if mode in _BROKEN_DOCUMENTS:
+            body = _BROKEN_DOCUMENTS[mode](body)
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+_KV_SAMPLE = re.compile(rb"^(vllm:kv_cache_usage_perc\{[^}\n]*\} )(\S+)$", re.MULTILINE)
+
+
+def _truncated(body: bytes) -> bytes:
+    match = _KV_SAMPLE.search(body)
+    assert match is not None, "the exposition has no vllm:kv_cache_usage_perc sample"
+    return body[: match.start(2) + 2]
+
+
+def _half(body: bytes) -> bytes:
+    lines = body.splitlines(keepends=True)
+    return b"".join(lines[: len(lines) // 2])
+
+
+_BROKEN_DOCUMENTS = {
+    "truncated": _truncated,
+    "half": _half,
+    "nan": lambda body: _KV_SAMPLE.sub(rb"\1NaN", body),
+    "out_of_range": lambda body: _KV_SAMPLE.sub(rb"\g<1>1.5", body),
+}
 
 
 def create_app(config: SimConfig, engine: Engine | None = None) -> web.Application:

@@ -232,6 +232,32 @@ async def test_metrics_mode_hang_never_answers(sim):
     assert "vllm:num_requests_running" in await sim.metrics_text()
 
 
+async def test_metrics_mode_truncated_cuts_inside_the_kv_value(sim):
+    await sim.control("pin", {"kv_usage": 0.97})
+    await sim.control("metrics_mode", {"mode": "truncated"})
+    text = await sim.metrics_text()
+    assert text.endswith('} 0.') and text.splitlines()[-1].startswith("vllm:kv_cache_usage_perc{")
+    assert "vllm:cache_config_info" not in text
+
+
+async def test_metrics_mode_half_keeps_the_gauges_and_loses_cache_config_info(sim):
+    await sim.control("metrics_mode", {"mode": "half"})
+    text = await sim.metrics_text()
+    fams = families(text)
+    assert text.endswith("\n")
+    assert "vllm:num_requests_running" in fams and "vllm:kv_cache_usage_perc" in fams
+    assert "vllm:cache_config_info" not in fams
+
+
+@pytest.mark.parametrize("mode,value", [("nan", "NaN"), ("out_of_range", "1.5")])
+async def test_metrics_modes_nan_and_out_of_range_rewrite_every_kv_value(sim, mode, value):
+    await sim.control("metrics_mode", {"mode": mode})
+    text = await sim.metrics_text()
+    kv = [line for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc{")]
+    assert kv and all(line.endswith("} " + value) for line in kv)
+    assert "vllm:cache_config_info" in families(text)
+
+
 async def test_unknown_metrics_mode_is_rejected(sim):
     async with sim.client.post("/control/metrics_mode", json={"mode": "weird"}) as resp:
         assert resp.status == 400
