@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from prometheus_client import Gauge
 
 from .config import EngineConfig, Settings
-from .gate import Decision, EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket
+from .gate import Decision, EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket, TicketState
 from .metrics import Metrics
 from .outcomes import Outcome
 
@@ -95,22 +95,34 @@ class Admission:
         return decision
 
     async def wait(self, engine: str, ticket: Ticket) -> Decision:
-        """Wait for a parked ticket's outcome. Cancellation means the client went away."""
+        """Wait for a parked ticket's outcome. Cancellation means the client went away.
+
+        The ticket's future stays registered from `arrive` until `wait` has returned its decision
+        (or `finish` ran), so a decision made before `wait` is called, e.g. a completion that
+        admits the ticket while the park response is still being written, is returned, not lost.
+        """
         future = self._waiters[ticket]
         try:
-            return await asyncio.shield(future)
+            decision = await asyncio.shield(future)
         except asyncio.CancelledError:
             if not future.done():
-                decision = self._engines[engine].gate.abandon(ticket, self.now())
-                self._waiters.pop(ticket, None)
-                if decision is not None:
-                    self._record(engine, decision, parked=True)
-                self._publish(engine)
+                self._abandon(engine, ticket)
             # If it was admitted in the same instant, the caller's `finish` frees the slot.
             raise
+        self._waiters.pop(ticket, None)
+        return decision
 
     def finish(self, engine: str, ticket: Ticket) -> None:
-        """An admitted request's HTTP stream ended (completed, failed or client gone)."""
+        """The request's ext_proc stream ended, in whatever state its ticket is.
+
+        Admitted: the HTTP stream is over (completed, failed or client gone), so its slot and KV
+        are freed. Still parked (the stream failed before or while parking, e.g. the client left
+        while the park response was written): it leaves the queue as `client_gone`.
+        """
+        self._waiters.pop(ticket, None)
+        if ticket.state is TicketState.PARKED:
+            self._abandon(engine, ticket)
+            return
         self._apply(engine, self._engines[engine].gate.finish(ticket, self.now()))
 
     # --- engine side ----------------------------------------------------------------------
@@ -143,10 +155,19 @@ class Admission:
 
     def _apply(self, engine: str, decisions: list[Decision]) -> None:
         for decision in decisions:
-            future = self._waiters.pop(decision.ticket, None)
+            # The future stays in `_waiters` until `wait` collects it (or `finish` drops it).
+            future = self._waiters.get(decision.ticket)
             self._record(engine, decision, parked=True)
             if future is not None and not future.done():
                 future.set_result(decision)
+        self._arm_timer(engine)
+        self._publish(engine)
+
+    def _abandon(self, engine: str, ticket: Ticket) -> None:
+        self._waiters.pop(ticket, None)
+        decision = self._engines[engine].gate.abandon(ticket, self.now())
+        if decision is not None:
+            self._record(engine, decision, parked=True)
         self._arm_timer(engine)
         self._publish(engine)
 
