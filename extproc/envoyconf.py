@@ -14,6 +14,10 @@ The timeouts follow from the park cap (DESIGN.md, Envoy 1.40 facts):
 - each parked request holds one gRPC stream and one upstream request slot on the ext_proc
   cluster: its circuit breakers are set to the service's stream limit, far above any queue bound.
 
+Every request header starting with `x-admission-` is removed as the request enters Envoy (HCM
+early header mutation, before routing): only the service sets `x-admission-engine`, so a client
+cannot pick an engine, on gated paths, ungated paths, or while the service is down.
+
 `failure_mode_allow` is the explicit choice for "the admission service is down": `open` (default)
 forwards requests ungated, so an admission outage never becomes an inference outage; `closed`
 answers 503 (`status_on_error`) instead.
@@ -32,6 +36,8 @@ from .config import EngineConfig, Settings
 from .servicer import ROUTE_HEADER
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
+#: Request headers with this prefix are removed as the request enters Envoy (client-set ones).
+STRIPPED_HEADER_PREFIX = "x-admission-"
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -154,6 +160,18 @@ def build_envoy_config(
         "merge_slashes": True,
         "stream_idle_timeout": _seconds(idle),
         "generate_request_id": True,
+        # Before routing and before any filter: a client must never choose the engine (the routes
+        # match `x-admission-engine`) or pose as the service's answer, and this holds even when
+        # the service is down and Envoy fails open.
+        "early_header_mutation_extensions": [
+            {
+                "name": "envoy.http.early_header_mutation.header_mutation",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                    "mutations": [{"remove_on_match": {"key_matcher": {"prefix": STRIPPED_HEADER_PREFIX}}}],
+                },
+            }
+        ],
         "route_config": {
             "name": "engines",
             "virtual_hosts": [{"name": "engines", "domains": ["*"], "routes": routes}],

@@ -98,3 +98,9 @@ def test_several_engines_get_a_cluster_each_and_routes_on_the_routing_header(tmp
     assert [r["match"].get("headers", [{}])[0].get("string_match") for r in routes] == [
         {"exact": "big"}, {"exact": "small"}, None]
     _validate(yaml.safe_dump(doc), tmp_path)
+
+
+def test_client_set_admission_headers_are_removed_before_routing() -> None:
+    (extension,) = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["early_header_mutation_extensions"]
+    assert extension["name"] == "envoy.http.early_header_mutation.header_mutation"
+    assert extension["typed_config"]["mutations"] == [{"remove_on_match": {"key_matcher": {"prefix": "x-admission-"}}}]
