@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-DEFAULT_GATED_PATHS = ("/v1/chat/completions", "/v1/completions")
+from .endpoints import DEFAULT_GATED_PATHS, canonical_path
 
 
 class ConfigError(ValueError):
@@ -77,6 +77,7 @@ class Settings:
     gated_paths: tuple[str, ...]
     engines: tuple[EngineConfig, ...]
     max_streams: int
+    models_refresh_seconds: float  # 0 = only the configured models; else re-read each engine's /v1/models
     log_level: str
     log_format: str
     config_file: str | None = None
@@ -115,6 +116,7 @@ class Settings:
             "estimate_safety_factor": self.estimate_safety_factor,
             "default_max_tokens": self.default_max_tokens,
             "gated_paths": list(self.gated_paths),
+            "models_refresh_s": self.models_refresh_seconds,
             "gating": self.gating,
             "config_file": self.config_file,
             "engines": [
@@ -293,11 +295,15 @@ def load_settings(env: Mapping[str, str]) -> Settings:
             seen[model] = engine.name
 
     grpc_host, grpc_port = _listen("EXTPROC_LISTEN", env.get("EXTPROC_LISTEN") or "127.0.0.1:9002")
-    admin_host, admin_port = _listen("EXTPROC_ADMIN_LISTEN", env.get("EXTPROC_ADMIN_LISTEN") or "0.0.0.0:9003")
+    admin_host, admin_port = _listen("EXTPROC_ADMIN_LISTEN", env.get("EXTPROC_ADMIN_LISTEN") or "127.0.0.1:9003")
     gated = _csv(env.get("ADMISSION_GATED_PATHS")) if env.get("ADMISSION_GATED_PATHS") is not None else DEFAULT_GATED_PATHS
     for path in gated:
         if not path.startswith("/"):
             raise ConfigError(f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: every path must start with '/'")
+        if canonical_path(path) != path.lower():
+            raise ConfigError(
+                f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: {path!r} must be a plain path as the "
+                "engine routes it (no percent-encoding, ';', '?', dot segments, doubled or trailing '/')")
     log_level = (env.get("EXTPROC_LOG_LEVEL") or "INFO").upper()
     if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"EXTPROC_LOG_LEVEL={env.get('EXTPROC_LOG_LEVEL')!r}: must be DEBUG, INFO, WARNING or ERROR")
@@ -330,6 +336,8 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         gated_paths=gated,
         engines=engines,
         max_streams=_int("EXTPROC_MAX_STREAMS", opt("EXTPROC_MAX_STREAMS", "10000"), 16),
+        models_refresh_seconds=_float(
+            "ADMISSION_MODELS_REFRESH_SECONDS", opt("ADMISSION_MODELS_REFRESH_SECONDS", "30"), 0.0, 3600.0),
         log_level=log_level,
         log_format=log_format,
         config_file=config_file,

@@ -33,6 +33,7 @@ class Outcome(enum.StrEnum):
     MISSING_MODEL = "missing_model"
     UNKNOWN_MODEL = "unknown_model"
     DUPLICATE_MODEL = "duplicate_model"
+    AMBIGUOUS_PATH = "ambiguous_path"  # an encoded or non-canonical spelling of a gated path
     # The client went away while parked: nothing to answer, nothing admitted.
     CLIENT_GONE = "client_gone"
 
@@ -66,6 +67,7 @@ REJECTIONS: dict[Outcome, Rejection] = {
     Outcome.MISSING_MODEL: Rejection(400, "invalid_request_error", retry_after=False),
     Outcome.UNKNOWN_MODEL: Rejection(404, "not_found_error", retry_after=False),
     Outcome.DUPLICATE_MODEL: Rejection(400, "invalid_request_error", retry_after=False),
+    Outcome.AMBIGUOUS_PATH: Rejection(400, "invalid_request_error", retry_after=False),
 }
 
 #: Outcomes counted in `admission_rejected_total{reason}`.

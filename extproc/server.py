@@ -1,8 +1,8 @@
 """Wiring: one process, one event loop, the gRPC ext_proc server and the admin HTTP server.
 
 Start order: metrics → first engine poll (bounded by the poll interval, so a dead engine only
-delays startup by one interval) → gRPC server → admin server (ready). Stop order on SIGTERM:
-not ready → gRPC health NOT_SERVING → parked requests answered 503 + Retry-After → gRPC server
+delays startup by one interval) → first read of the engines' served models (same bound) → gRPC
+server → admin server (ready). Stop order on SIGTERM: not ready → gRPC health NOT_SERVING → parked requests answered 503 + Retry-After → gRPC server
 stops taking streams and waits up to the grace period for admitted streams to end → observer
 and admin server stop.
 """
@@ -23,6 +23,7 @@ from .adminhttp import make_app
 from .admission import Admission
 from .config import Settings
 from .metrics import Metrics
+from .models import ModelRegistry
 from .observer import EngineObserver
 from .servicer import ExternalProcessor
 
@@ -37,6 +38,7 @@ class Service:
         self.metrics = Metrics(registry or CollectorRegistry())
         self.admission = Admission(settings, self.metrics)
         self.observer = EngineObserver(settings, self.admission, self.metrics)
+        self.models = ModelRegistry(settings)
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._admin: web.AppRunner | None = None
@@ -49,6 +51,7 @@ class Service:
         s = self.settings
         if s.gating:
             await self.observer.start()
+            await self.models.start()  # first read of each engine's /v1/models, then periodic
         self._grpc = grpc.aio.server(
             maximum_concurrent_rpcs=s.max_streams,
             options=[
@@ -58,7 +61,7 @@ class Service:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(s, self.admission, self.metrics), self._grpc)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(s, self.admission, self.metrics, self.models), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         try:
             self.grpc_port = self._grpc.add_insecure_port(f"{_bracket(s.grpc_host)}:{s.grpc_port}")
@@ -87,6 +90,7 @@ class Service:
         if self._grpc is not None and self._grpc_started:
             await self._grpc.stop(grace)
         await self.observer.stop()
+        await self.models.stop()
         if self._admin is not None:
             await self._admin.cleanup()
         log.info("stopped")

@@ -30,11 +30,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
 from .admission import PARK_TIMEOUT_MARGIN_SECONDS, Admission
-from .bodyscan import BodyError, scan_body
+from .bodyscan import BodyError
 from .config import EngineConfig, Settings
+from .endpoints import PathRules, Route, body_facts, endpoint_for
 from .estimate import estimate_cost
 from .gate import Decision, Ticket
 from .metrics import Metrics
+from .models import ModelRegistry
 from .outcomes import REJECTIONS, Outcome, error_body
 
 log = logging.getLogger("extproc.servicer")
@@ -64,12 +66,13 @@ class _Stream:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, settings: Settings, admission: Admission, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, admission: Admission, metrics: Metrics,
+                 models: ModelRegistry | None = None) -> None:
         self._settings = settings
         self._admission = admission
         self._metrics = metrics
-        self._gated_paths = frozenset(settings.gated_paths)
-        self._known_models = ", ".join(sorted(settings.model_to_engine)) or "(none)"
+        self._paths = PathRules(settings.gated_paths)
+        self._models = models or ModelRegistry(settings)
         self._multi_engine = len(settings.engines) > 1
         self._admitted_responses = {e.name: self._admitted_response(e) for e in settings.engines}
 
@@ -97,15 +100,23 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return
         headers = _header_map(message.request_headers)
         stream.request_id = headers.get("x-request-id", "-")
-        stream.path = headers.get(":path", "").split("?", 1)[0]
-        if headers.get(":method") != "POST" or stream.path not in self._gated_paths:
+        route, stream.path = self._paths.route(headers.get(":method", ""), headers.get(":path", ""))
+        if route is Route.AMBIGUOUS:
+            await self._reject(
+                context, stream, Outcome.AMBIGUOUS_PATH,
+                f"the path `{headers.get(':path', '')[:200]}` is an encoded or non-canonical spelling of a gated "
+                "endpoint; send the plain path (e.g. /v1/chat/completions)",
+            )
+            return
+        if route is Route.PASS:
             self._metrics.passthrough.labels("path_not_gated").inc()
             await context.write(_SKIP_BODY)
             await self._drain(context, None)
             return
+        endpoint = endpoint_for(stream.path)
 
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self._settings.max_body_bytes:
+        if not endpoint.multipart and declared.isdigit() and int(declared) > self._settings.max_body_bytes:
             await self._reject(context, stream, Outcome.BODY_TOO_LARGE, self._too_large_message(int(declared)))
             return
         if message.request_headers.end_of_stream:
@@ -122,11 +133,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return
         started = time.perf_counter()
         body = message.request_body
-        if not body.end_of_stream or len(body.body) > self._settings.max_body_bytes:
+        # A multipart upload (audio) may exceed the cap: its form fields are read from the prefix.
+        if not endpoint.multipart and (not body.end_of_stream or len(body.body) > self._settings.max_body_bytes):
             await self._reject(context, stream, Outcome.BODY_TOO_LARGE, self._too_large_message(None))
             return
         try:
-            facts = scan_body(body.body)
+            facts = body_facts(endpoint, body.body, headers.get("content-type", ""), body.end_of_stream,
+                               self._settings.bytes_per_token)
         except BodyError as exc:
             await self._reject(context, stream, exc.outcome, exc.message)
             return
@@ -135,11 +148,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             await context.write(_CONTINUE_BODY)
             await self._drain(context, None)
             return
-        engine = self._settings.model_to_engine.get(facts.model)
+        engine = await self._models.lookup(facts.model)
         if engine is None:
+            known = ", ".join(self._models.known()) or "(none)"
             await self._reject(
                 context, stream, Outcome.UNKNOWN_MODEL,
-                f"The model `{facts.model}` does not exist. Known models: {self._known_models}",
+                f"The model `{facts.model}` does not exist. Known models: {known}",
             )
             return
 
@@ -150,46 +164,52 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream.ticket = decision.ticket
         outcome = decision.outcome
         pending_read: asyncio.Future[object] | None = None
-        if outcome is Outcome.PARKED:
-            self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
-            log.info("parked", extra={"request_id": stream.request_id, "engine": engine.name, "model": facts.model,
-                                      "queue_depth": self._admission.gate(engine.name).queue_depth})
-            await context.write(self._park_response(engine))
-            decision, pending_read = await self._wait_parked(context, stream)
-            outcome = decision.outcome
-            if outcome is Outcome.CLIENT_GONE:
-                log.info("client gone while parked", extra={"request_id": stream.request_id, "engine": engine.name})
+        try:
+            if outcome is Outcome.PARKED:
+                self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+                log.info("parked", extra={"request_id": stream.request_id, "engine": engine.name, "model": facts.model,
+                                          "queue_depth": self._admission.gate(engine.name).queue_depth})
+                # The ticket may be decided (admitted by a completion, expired, drained) while this
+                # write is in flight; `wait` still returns that decision.
+                await context.write(self._park_response(engine))
+                decision, pending_read = await self._wait_parked(context, stream)
+                outcome = decision.outcome
+                if outcome is Outcome.CLIENT_GONE:
+                    log.info("client gone while parked", extra={"request_id": stream.request_id, "engine": engine.name})
+                    return
+                started = time.perf_counter()
+            if outcome.admits:
+                if outcome is not Outcome.ADMITTED_FAIL_OPEN:
+                    self._metrics.estimated_prompt_tokens.labels(engine.name, facts.model).inc(cost.prompt_tokens)
+                await context.write(self._admitted_responses[engine.name])
+                self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+                log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})
+                reader, pending_read = pending_read, None
+                await self._drain(context, None, reader)
                 return
-            started = time.perf_counter()
-        if outcome.admits:
-            if outcome is not Outcome.ADMITTED_FAIL_OPEN:
-                self._metrics.estimated_prompt_tokens.labels(engine.name, facts.model).inc(cost.prompt_tokens)
-            await context.write(self._admitted_responses[engine.name])
+            gate = self._admission.gate(engine.name)
+            message_text = {
+                Outcome.QUEUE_FULL: f"engine `{engine.name}` is at capacity and its queue is full; retry later",
+                Outcome.PARK_TIMEOUT: (
+                    f"engine `{engine.name}` stayed at capacity for {engine.limits.max_park_seconds:g}s; retry later"
+                ),
+                Outcome.EXPECTED_WAIT_TOO_LONG: (
+                    f"engine `{engine.name}` is at capacity and the expected wait exceeds "
+                    f"{engine.limits.max_park_seconds:g}s; retry later"
+                ),
+                Outcome.EXCEEDS_KV_CAPACITY: (
+                    f"this request needs about {gate.cost(decision.ticket)} tokens of KV cache (prompt ~"
+                    f"{cost.prompt_tokens} + up to {cost.generation_tokens} generated), more than engine "
+                    f"`{engine.name}` holds in total ({gate.capacity_tokens}); shorten the prompt or lower max_tokens"
+                ),
+                Outcome.SHUTTING_DOWN: "the admission service is shutting down; retry",
+            }.get(outcome, outcome.value)
             self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
-            log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})
-            await self._drain(context, None, pending_read)
-            return
-        gate = self._admission.gate(engine.name)
-        message_text = {
-            Outcome.QUEUE_FULL: f"engine `{engine.name}` is at capacity and its queue is full; retry later",
-            Outcome.PARK_TIMEOUT: (
-                f"engine `{engine.name}` stayed at capacity for {engine.limits.max_park_seconds:g}s; retry later"
-            ),
-            Outcome.EXPECTED_WAIT_TOO_LONG: (
-                f"engine `{engine.name}` is at capacity and the expected wait exceeds "
-                f"{engine.limits.max_park_seconds:g}s; retry later"
-            ),
-            Outcome.EXCEEDS_KV_CAPACITY: (
-                f"this request needs about {gate.cost(decision.ticket)} tokens of KV cache (prompt ~"
-                f"{cost.prompt_tokens} + up to {cost.generation_tokens} generated), more than engine "
-                f"`{engine.name}` holds in total ({gate.capacity_tokens}); shorten the prompt or lower max_tokens"
-            ),
-            Outcome.SHUTTING_DOWN: "the admission service is shutting down; retry",
-        }.get(outcome, outcome.value)
-        self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
-        await self._reject(context, stream, outcome, message_text, counted=True, retry_after=decision.retry_after)
-        if pending_read is not None:
-            pending_read.cancel()
+            await self._reject(context, stream, outcome, message_text, counted=True, retry_after=decision.retry_after)
+        finally:
+            if pending_read is not None:  # never leave a read behind to fail unobserved
+                pending_read.cancel()
+                await asyncio.gather(pending_read, return_exceptions=True)
 
     async def _wait_parked(
         self, context: grpc.aio.ServicerContext, stream: _Stream
@@ -198,20 +218,27 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         assert stream.engine is not None and stream.ticket is not None
         waiter = asyncio.ensure_future(self._admission.wait(stream.engine.name, stream.ticket))
         reader: asyncio.Future[object] = asyncio.ensure_future(context.read())
+        returned = False
         try:
             while True:
                 await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if waiter.done():
-                    return waiter.result(), reader
+                    decision = waiter.result()
+                    returned = True
+                    return decision, reader
                 if reader.exception() is None and reader.result() is not grpc.aio.EOF:
                     log.warning("unexpected message while parked: %s", reader.result().WhichOneof("request"))  # type: ignore[attr-defined]
                     reader = asyncio.ensure_future(context.read())
                     continue
+                returned = True
                 return Decision(stream.ticket, Outcome.CLIENT_GONE), None
         finally:
             if not waiter.done():
                 waiter.cancel()
                 await asyncio.gather(waiter, return_exceptions=True)
+            if not returned:  # failed or cancelled: the caller never sees the read
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
 
     async def _drain(
         self, context: grpc.aio.ServicerContext, message: object | None, pending: asyncio.Future[object] | None = None

@@ -17,8 +17,26 @@ def test_defaults_match_the_reference_design() -> None:
     assert (engine.limits.max_queue_depth, engine.limits.max_park_seconds) == (8, 120.0)
     assert (s.max_body_bytes, s.poll_interval, s.stale_after_polls, s.retry_after_seconds) == (1048576, 2.0, 3, 5)
     assert engine.metrics_url == "http://127.0.0.1:8000/metrics"
-    assert s.gated_paths == ("/v1/chat/completions", "/v1/completions")
     assert (s.grpc_host, s.grpc_port) == ("127.0.0.1", 9002)
+    assert (s.admin_host, s.admin_port) == ("127.0.0.1", 9003)  # loopback: /metrics and /debug are unauthenticated
+    assert s.models_refresh_seconds == 30.0
+
+
+def test_every_generation_and_pooling_endpoint_vllm_serves_is_gated_by_default() -> None:
+    gated = set(load_settings({"ADMISSION_OBSERVE_MODELS": "m"}).gated_paths)
+    assert gated >= {
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/invocations", "/pooling",
+        "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/generate",
+        "/v1/audio/transcriptions", "/v1/audio/translations",
+    }
+    assert load_settings({"ADMISSION_GATED_PATHS": "/v1/chat/completions, /v1/x"}).gated_paths == (
+        "/v1/chat/completions", "/v1/x")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat%2Fcompletions", "/v1/chat/completions/", "/v1//chat", "/v1/./x", "/v1/x;y"])
+def test_a_gated_path_must_be_plain(path: str) -> None:
+    with pytest.raises(ConfigError, match="ADMISSION_GATED_PATHS"):
+        load_settings({"ADMISSION_GATED_PATHS": path})
 
 
 def test_max_inflight_defaults_to_vllm_max_num_seqs() -> None:
@@ -47,6 +65,8 @@ def test_no_observed_models_means_no_gating() -> None:
         ("EXTPROC_LISTEN", "9002"),
         ("ADMISSION_LOCAL_ACCOUNTING", "maybe"),
         ("ADMISSION_GATED_PATHS", "v1/chat"),
+        ("ADMISSION_MODELS_REFRESH_SECONDS", "-1"),
+        ("EXTPROC_ADMIN_LISTEN", "9003"),
         ("EXTPROC_LOG_LEVEL", "LOUD"),
     ],
 )
