@@ -21,6 +21,7 @@ configuration (environment variables, read once at startup; a bad value exits wi
   ENGINE_URL                     engine base URL when no config file is used  [http://127.0.0.1:8000]
   ENGINE_METRICS_URL             its metrics URL                              [$ENGINE_URL/metrics]
   ADMISSION_OBSERVE_MODELS       comma-separated models to gate on that engine; unset = gate nothing
+  ADMISSION_MODELS_REFRESH_SECONDS  re-read each engine's /v1/models; its names are gated too; 0 = off  [30]
   EXTPROC_CONFIG                 YAML file mapping engines to models, with per-engine overrides
   ADMISSION_MAX_INFLIGHT         park while running + waiting >= this          [$VLLM_MAX_NUM_SEQS or 4]
   VLLM_MAX_NUM_SEQS              the engine's --max-num-seqs (default for the line above)  [4]
@@ -41,9 +42,10 @@ configuration (environment variables, read once at startup; a bad value exits wi
   ADMISSION_BACKFILL             let small requests pass a KV-blocked head when it cannot delay it  [true]
   ADMISSION_WAIT_ESTIMATES       Retry-After from the completion rate; reject at once if the wait exceeds the park cap  [true]
   ADMISSION_ENGINE_QUEUE_SLOTS   with the budget: requests that may wait inside the engine beyond max in-flight  [1]
-  ADMISSION_GATED_PATHS          POST paths subject to admission  [/v1/chat/completions,/v1/completions]
+  ADMISSION_GATED_PATHS          POST paths subject to admission  [every vLLM generation/pooling endpoint]
   EXTPROC_LISTEN                 gRPC ext_proc listen address                  [127.0.0.1:9002]
-  EXTPROC_ADMIN_LISTEN           /metrics /healthz /readyz listen address      [0.0.0.0:9003]
+  EXTPROC_ADMIN_LISTEN           /metrics /healthz /readyz /debug listen address  [127.0.0.1:9003]
+  EXTPROC_PROBE_LISTEN           optional second listener: /metrics /healthz /readyz only  [unset]
   EXTPROC_MAX_STREAMS            concurrent ext_proc streams (parked + in flight)  [10000]
   EXTPROC_LOG_LEVEL              DEBUG, INFO, WARNING or ERROR                 [INFO]
   EXTPROC_LOG_FORMAT             json or text                                  [json]

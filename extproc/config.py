@@ -61,6 +61,8 @@ class Settings:
     grpc_port: int
     admin_host: str
     admin_port: int
+    probe_host: str | None  # a second listener with only /metrics, /healthz and /readyz (unset: none)
+    probe_port: int | None
     max_body_bytes: int
     poll_interval: float
     stale_after_polls: int
@@ -102,6 +104,7 @@ class Settings:
         return {
             "grpc_listen": f"{self.grpc_host}:{self.grpc_port}",
             "admin_listen": f"{self.admin_host}:{self.admin_port}",
+            "probe_listen": f"{self.probe_host}:{self.probe_port}" if self.probe_host is not None else None,
             "max_body_bytes": self.max_body_bytes,
             "poll_interval_s": self.poll_interval,
             "stale_after_polls": self.stale_after_polls,
@@ -296,6 +299,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
 
     grpc_host, grpc_port = _listen("EXTPROC_LISTEN", env.get("EXTPROC_LISTEN") or "127.0.0.1:9002")
     admin_host, admin_port = _listen("EXTPROC_ADMIN_LISTEN", env.get("EXTPROC_ADMIN_LISTEN") or "127.0.0.1:9003")
+    probe_host, probe_port = _listen("EXTPROC_PROBE_LISTEN", env["EXTPROC_PROBE_LISTEN"]) if env.get("EXTPROC_PROBE_LISTEN") else (None, None)
     gated = _csv(env.get("ADMISSION_GATED_PATHS")) if env.get("ADMISSION_GATED_PATHS") is not None else DEFAULT_GATED_PATHS
     for path in gated:
         if not path.startswith("/"):
@@ -319,6 +323,8 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         grpc_port=grpc_port,
         admin_host=admin_host,
         admin_port=admin_port,
+        probe_host=probe_host,
+        probe_port=probe_port,
         max_body_bytes=_int("MAX_BODY_BYTES", opt("MAX_BODY_BYTES", "1048576"), 1024),
         poll_interval=_float("ENGINE_POLL_INTERVAL_SECONDS", opt("ENGINE_POLL_INTERVAL_SECONDS", "2"), 0.0, 300.0, low_open=True),
         stale_after_polls=_int("ENGINE_STALE_AFTER_POLLS", opt("ENGINE_STALE_AFTER_POLLS", "3"), 1),

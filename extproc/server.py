@@ -42,6 +42,7 @@ class Service:
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._admin: web.AppRunner | None = None
+        self._probe: web.AppRunner | None = None
         self._ready = False
         self._grpc_started = False
         self.grpc_port = settings.grpc_port
@@ -80,6 +81,11 @@ class Service:
         site = web.TCPSite(self._admin, s.admin_host, s.admin_port)
         await site.start()
         self.admin_port = self._admin.addresses[0][1]
+        if s.probe_host is not None:
+            # Probes and scrapes only: /debug/engines (the ledger, every model) stays on the admin listener.
+            self._probe = web.AppRunner(_probe_app(self._admin.app), access_log=None)
+            await self._probe.setup()
+            await web.TCPSite(self._probe, s.probe_host, s.probe_port).start()
         self._ready = True
         log.info("serving", extra={"grpc": f"{s.grpc_host}:{self.grpc_port}", "admin": f"{s.admin_host}:{self.admin_port}"})
 
@@ -91,9 +97,23 @@ class Service:
             await self._grpc.stop(grace)
         await self.observer.stop()
         await self.models.stop()
+        if self._probe is not None:
+            await self._probe.cleanup()
         if self._admin is not None:
             await self._admin.cleanup()
         log.info("stopped")
+
+
+PROBE_PATHS = ("/metrics", "/healthz", "/readyz")
+
+
+def _probe_app(admin: web.Application) -> web.Application:
+    """The admin app's GET routes for probes and scrapes, and nothing else."""
+    app = web.Application()
+    for route in admin.router.routes():
+        if route.method == "GET" and route.resource is not None and route.resource.canonical in PROBE_PATHS:
+            app.router.add_get(route.resource.canonical, route.handler)
+    return app
 
 
 def _bracket(host: str) -> str:

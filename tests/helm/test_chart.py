@@ -54,10 +54,11 @@ def test_default_shape_is_one_deployment_with_envoy_and_the_service(chart: Chart
     assert r.container("admission")["command"][:2] == ["extproc", "serve"]
 
 
-def test_the_service_listens_for_grpc_on_loopback_only_and_for_admin_on_all_addresses(rendered: Rendered) -> None:
+def test_the_service_listens_for_grpc_and_debug_on_loopback_and_only_for_probes_on_all_addresses(rendered: Rendered) -> None:
     env = rendered.env()
     assert env["EXTPROC_LISTEN"].startswith("127.0.0.1:")
-    assert env["EXTPROC_ADMIN_LISTEN"] == "0.0.0.0:9003"
+    assert env["EXTPROC_ADMIN_LISTEN"] == "127.0.0.1:9005"  # /debug/engines: kubectl port-forward only
+    assert env["EXTPROC_PROBE_LISTEN"] == "0.0.0.0:9003"  # /metrics, /healthz, /readyz
     ports = {p["name"]: p["containerPort"] for p in rendered.container("admission")["ports"]}
     assert ports == {"admin": 9003}  # the gRPC port is not declared: nothing outside the pod uses it
     extproc = next(c for c in rendered.envoy["static_resources"]["clusters"] if c["name"] == "extproc")

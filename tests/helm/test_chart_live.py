@@ -71,7 +71,7 @@ def _probe(container: dict[str, Any], kind: str, ports: dict[str, int]) -> str:
 def pod(chart: Chart, tmp_path: Path) -> Iterator[Pod]:
     values = {
         "sim": free_port(),
-        "admission": {"grpcPort": free_port(), "adminPort": free_port(), "maxParkSeconds": 2,
+        "admission": {"grpcPort": free_port(), "adminPort": free_port(), "debugPort": free_port(), "maxParkSeconds": 2,
                       "pollIntervalSeconds": 0.2, "shutdownGraceSeconds": 2},
         "envoy": {"port": free_port(), "adminPort": free_port(), "healthPort": free_port(), "drainTimeSeconds": 1},
         "shutdown": {"inflightAllowanceSeconds": 30},
@@ -118,6 +118,9 @@ def test_the_rendered_pod_serves_a_request_through_envoy_and_the_service(pod: Po
     assert pod.chat() == 200
     status, body = http_get(f"http://127.0.0.1:{pod.port('admission', 'adminPort')}/metrics")
     assert status == 200 and b'admission_admitted_total{engine="sim",model="sim-model",via="admitted"} 1.0' in body
+    # The port probes and scrapes reach serves nothing else; the ledger is on loopback only.
+    assert http_get(f"http://127.0.0.1:{pod.port('admission', 'adminPort')}/debug/engines")[0] == 404
+    assert http_get(f"http://127.0.0.1:{pod.port('admission', 'debugPort')}/debug/engines")[0] == 200
     # Envoy's own metrics are reachable on the health port, its admin API is not.
     status, body = http_get(f"http://127.0.0.1:{pod.port('envoy', 'healthPort')}/stats/prometheus")
     assert status == 200 and b"envoy_http_downstream_rq_total" in body
@@ -174,8 +177,8 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
     base = {
         "shape": "shared",
         "engines": [{"name": "sim", "url": f"http://127.0.0.1:{sim_port}", "models": ["sim-model"]}],
-        "admission": {"grpcPort": grpc_port, "adminPort": admin_port, "maxParkSeconds": 2, "pollIntervalSeconds": 0.2,
-                      "shutdownGraceSeconds": 2},
+        "admission": {"grpcPort": grpc_port, "adminPort": admin_port, "debugPort": free_port(), "maxParkSeconds": 2,
+                      "pollIntervalSeconds": 0.2, "shutdownGraceSeconds": 2},
     }
     envoy_ports = [{"port": free_port(), "adminPort": free_port(), "healthPort": free_port()} for _ in range(2)]
     renders = [chart.render({**base, "envoy": ports}) for ports in envoy_ports]

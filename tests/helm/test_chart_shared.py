@@ -63,7 +63,8 @@ def test_the_admission_service_runs_one_replica_never_two_at_once_and_listens_on
     a = shared.values["admission"]
     env = shared.env()
     assert env["EXTPROC_LISTEN"] == f"0.0.0.0:{a['grpcPort']}"
-    assert env["EXTPROC_ADMIN_LISTEN"] == f"0.0.0.0:{a['adminPort']}"
+    assert env["EXTPROC_ADMIN_LISTEN"] == f"127.0.0.1:{a['debugPort']}"
+    assert env["EXTPROC_PROBE_LISTEN"] == f"0.0.0.0:{a['adminPort']}"
     service = shared.container("admission")
     assert {p["name"]: p["containerPort"] for p in service["ports"]} == {"grpc": a["grpcPort"], "admin": a["adminPort"]}
     assert service["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
@@ -193,7 +194,7 @@ def test_notes_name_the_shared_service_and_what_a_restart_does(chart: Chart) -> 
     notes = chart.render(SHARED_VALUE_SETS["shared-default"]).notes
     assert "kubectl -n inference port-forward svc/demo-llm-admission 8080:8080" in notes
     assert "3 Envoy pods (Deployment demo-llm-admission-envoy)" in notes
-    assert "port-forward deploy/demo-llm-admission-extproc 9003" in notes
+    assert "port-forward deploy/demo-llm-admission-extproc 9005" in notes
     assert "1 replica" in notes and "forwards requests ungated" in notes
     closed = chart.render({"shape": "shared", "admission": {"failureMode": "closed"}}).notes
     assert "EVERY Envoy, for every restart" in closed

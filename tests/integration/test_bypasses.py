@@ -267,3 +267,12 @@ def test_the_admin_listener_is_loopback_by_default() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["admin_listen"] == "127.0.0.1:9003"
+
+
+def test_the_probe_listener_serves_probes_and_scrapes_but_not_the_debug_state(make_stack) -> None:  # noqa: ANN001
+    port = free_port()
+    stack = make_stack({"EXTPROC_PROBE_LISTEN": f"127.0.0.1:{port}"})
+    for path in ("/metrics", "/healthz", "/readyz"):
+        assert http_get(f"http://127.0.0.1:{port}{path}")[0] == 200, path
+    assert http_get(f"http://127.0.0.1:{port}/debug/engines")[0] == 404
+    assert http_get(f"{stack.local.admin_url}/debug/engines")[0] == 200

@@ -303,7 +303,11 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: /etc/llm-admission/engines.yaml
   - name: EXTPROC_LISTEN
     value: "{{ ternary "0.0.0.0" "127.0.0.1" $shared }}:{{ int64 $a.grpcPort }}"
+  # The full admin interface (/debug/engines: the ledger and every model) stays on loopback
+  # (kubectl port-forward reaches it); the "admin" port serves only what probes and scrapes need.
   - name: EXTPROC_ADMIN_LISTEN
+    value: "127.0.0.1:{{ int64 $a.debugPort }}"
+  - name: EXTPROC_PROBE_LISTEN
     value: "0.0.0.0:{{ int64 $a.adminPort }}"
   - name: ADMISSION_MAX_INFLIGHT
     value: {{ int64 $a.maxInflight | quote }}
@@ -341,6 +345,8 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: {{ $a.scrapeGraceSeconds | toString | quote }}
   - name: ADMISSION_GATED_PATHS
     value: {{ join "," $a.gatedPaths | quote }}
+  - name: ADMISSION_MODELS_REFRESH_SECONDS
+    value: {{ $a.modelsRefreshSeconds | toString | quote }}
   - name: EXTPROC_MAX_STREAMS
     value: {{ int64 $a.maxStreams | quote }}
   - name: EXTPROC_LOG_LEVEL
