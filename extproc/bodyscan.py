@@ -6,17 +6,53 @@ events. Only the top-level scalars the gate needs are kept; message contents are
 UTF-8 size feeds the KV estimate) and dropped. The scan also validates that the body is exactly
 one JSON object, so the gateway never admits a body the engine would reject as malformed.
 
-Two top-level `model` keys are rejected: JSON parsers disagree on which one wins, and the gateway
-must never route or count a request under a different model than the engine serves it as.
+The engine (vLLM) reads a body with Python's `json.loads` and then validates it with pydantic in
+lax mode; the scan reads the fields it keeps THE SAME WAY, so gateway and engine never disagree on
+the model, on streaming, or on how many tokens the request may generate:
+
+- `max_tokens` / `max_completion_tokens`: an integer; a float with no fractional part
+  (`100000.0` is 100000) inside the 64-bit range; `true`/`false` (1/0, as pydantic coerces them); a decimal integer
+  string, optionally signed, with ASCII whitespace around it and an all-zero fraction
+  (`"100000"`, `" 100000.0 "`); `null` (not given). Anything else (`100000.5`, `"abc"`, `[]`, a
+  string longer than 64 characters) is rejected by the engine's validation, so the gateway answers
+  `400 invalid_body` itself. Exotic strings pydantic would also coerce (`"1_000"`, Unicode
+  whitespace) get 400 here too: the gateway never guesses a budget.
+- `stream`: `true`/`false`, `null` (false), 0/1, 0.0/1.0, or one of pydantic's boolean strings
+  (`"true"`, `"yes"`, `"on"`, `"1"`, `"t"`, `"y"` and their negatives, any ASCII case); anything
+  else is `400 invalid_body`.
+- A duplicate key takes its LAST value, as `json.loads` does (an invalid earlier value does not
+  matter). Exception: two top-level `model` keys are rejected (`duplicate_model`): other JSON
+  parsers keep the first, and the gateway must never route or count a request under a different
+  model than the engine serves it as.
+- The generation allowance (`generation_limit`) is the larger of the two fields that are
+  positive: vLLM's chat handler uses `max_completion_tokens or max_tokens` and its completions
+  handler `max_tokens`, so the larger is never below what either honours (0 means "not given"
+  there, the engine then generates up to the context length, and the configured default applies).
+
+The grammar is Python's, not yajl's, wherever they differ and it matters: vertical tab and form
+feed are not JSON whitespace (`json.loads` rejects them, yajl accepts them), nesting deeper than
+`MAX_DEPTH` is rejected (Python's parser gives up near 1,000 levels, the exact point depending on
+its stack; yajl has no limit), and a `model` whose `\\uD800`-style escape is a lone surrogate is
+rejected (yajl reads it as `?`, Python as the lone surrogate, so the name would read differently;
+elsewhere it changes no kept fact: the same string is invalid for `stream` and the token limits
+either way, and a prompt's size moves by two bytes).
+The gateway is deliberately STRICTER than `json.loads` on what is not RFC 8259 JSON or cannot be
+represented exactly by the C parser, and answers 400 where the engine might accept: `NaN` /
+`Infinity`, integers beyond 64 bits, numbers beyond a double's range, a byte-order mark or a
+UTF-16/32 body, invalid UTF-8. Never the other way round: whatever the gateway accepts, the
+engine reads identically.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import ijson
 
 from .outcomes import Outcome
+
+MAX_DEPTH = 512  # nesting of objects and arrays; Python's json stops near 1,000
 
 
 class BodyError(Exception):
@@ -33,20 +69,35 @@ class BodyFacts:
     model: str
     stream: bool
     prompt_bytes: int  # UTF-8 bytes of message contents (chat) or prompt text (completions)
-    max_tokens: int | None  # max_completion_tokens, else max_tokens, when given as an integer
+    max_tokens: int | None  # top-level `max_tokens` as the engine reads it (None: not given)
+    max_completion_tokens: int | None = None  # likewise
+
+    @property
+    def generation_limit(self) -> int | None:
+        """The most tokens the engine may generate for this request, as far as the body says."""
+        given = [v for v in (self.max_completion_tokens, self.max_tokens) if v is not None and v > 0]
+        return max(given) if given else None
 
 
 _TEXT_KEYS = ("content", "text")
+_TOKEN_KEYS = ("max_tokens", "max_completion_tokens")
+_KEPT_KEYS = ("model", "stream", *_TOKEN_KEYS)
+_TWO_63 = 2.0**63
+_INVALID = object()  # a kept key whose (last) value the engine's validation rejects
+_INT_STRING = re.compile(r"[ \t\n\r]*([+-]?[0-9]+)(?:\.0+)?[ \t\n\r]*", re.ASCII)
+_TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE_STRINGS = frozenset(("0", "off", "f", "false", "n", "no"))
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def scan_body(body: bytes) -> BodyFacts:
     """Validate `body` as one JSON object and extract the facts admission needs."""
+    if b"\x0b" in body or b"\x0c" in body:
+        raise BodyError(Outcome.INVALID_BODY, "request body is not valid JSON: vertical tab or form feed outside a string escape")
     model: object = None
     model_seen = 0
-    stream = False
+    kept: dict[str, object] = {}
     prompt_bytes = 0
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     depth = 0
     key: str | None = None  # the top-level key whose value is being read
     inner_key: str | None = None  # the latest key seen below the top level
@@ -58,7 +109,14 @@ def scan_body(body: bytes) -> BodyFacts:
         depth = 1
         for event, value in events:
             if event in ("start_map", "start_array"):
+                if depth == 1 and key in _KEPT_KEYS:
+                    if key == "model":
+                        model = None
+                    else:
+                        kept[key] = _INVALID
                 depth += 1
+                if depth > MAX_DEPTH:
+                    raise BodyError(Outcome.INVALID_BODY, f"request body is nested deeper than {MAX_DEPTH} levels")
                 continue
             if event in ("end_map", "end_array"):
                 depth -= 1
@@ -75,11 +133,9 @@ def scan_body(body: bytes) -> BodyFacts:
                 if key == "model":
                     model = value
                 elif key == "stream":
-                    stream = value is True
-                elif key == "max_tokens" and isinstance(value, int) and not isinstance(value, bool):
-                    max_tokens = value
-                elif key == "max_completion_tokens" and isinstance(value, int) and not isinstance(value, bool):
-                    max_completion_tokens = value
+                    kept[key] = _as_bool(value)
+                elif key in _TOKEN_KEYS:
+                    kept[key] = _as_int(value)
                 elif key == "prompt" and event == "string":
                     prompt_bytes += _utf8_len(value)
                 key = None
@@ -98,12 +154,76 @@ def scan_body(body: bytes) -> BodyFacts:
         raise BodyError(Outcome.MISSING_MODEL, "request body has no `model`: name the model to use")
     if not isinstance(model, str) or not model:
         raise BodyError(Outcome.MISSING_MODEL, "`model` must be a non-empty string")
+    if "?" in model and b"\\u" in body and _has_lone_surrogate(body):
+        # yajl reads a lone surrogate escape as `?`, Python as the surrogate: the names differ.
+        raise BodyError(Outcome.INVALID_BODY, "request body is not valid JSON: a \\u escape of a lone UTF-16 surrogate")
+    for name, value in kept.items():
+        if value is _INVALID:
+            kind = "true or false" if name == "stream" else "an integer"
+            raise BodyError(Outcome.INVALID_BODY, f"`{name}` must be {kind}")
+    stream = kept.get("stream")
     return BodyFacts(
         model=model,
-        stream=stream,
+        stream=stream is True,
         prompt_bytes=prompt_bytes,
-        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+        max_tokens=kept.get("max_tokens"),  # type: ignore[arg-type]
+        max_completion_tokens=kept.get("max_completion_tokens"),  # type: ignore[arg-type]
     )
+
+
+def _as_int(value: object) -> object:
+    """A scalar as pydantic's lax `Optional[int]` reads it: an int, None, or _INVALID."""
+    if value is None or type(value) is int:
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float):
+        # pydantic takes an integral float only inside the 64-bit range (both ends excluded).
+        return int(value) if value.is_integer() and -_TWO_63 < value < _TWO_63 else _INVALID
+    if isinstance(value, str) and len(value) <= 64:
+        match = _INT_STRING.fullmatch(value)
+        if match:
+            return int(match.group(1))
+    return _INVALID
+
+
+def _as_bool(value: object) -> object:
+    """A scalar as pydantic's lax `Optional[bool]` reads it: True, False (also for null), or _INVALID."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return bool(value) if value in (0, 1) else _INVALID
+    if isinstance(value, str) and value.isascii():
+        lowered = value.lower()
+        if lowered in _TRUE_STRINGS:
+            return True
+        if lowered in _FALSE_STRINGS:
+            return False
+    return _INVALID
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """Whether a string in `body` has a `\\uD800`-`\\uDFFF` escape that is not half of a pair."""
+    pending_high = -1  # end offset of a high-surrogate escape still waiting for its low half
+    for match in _SURROGATE_ESCAPE.finditer(body):
+        start = match.start()
+        backslashes = 0
+        while start - backslashes - 1 >= 0 and body[start - backslashes - 1] == 0x5C:
+            backslashes += 1
+        if backslashes % 2:  # `\\uD800`: an escaped backslash followed by text, not an escape
+            continue
+        is_high = match.group()[3] in b"89abAB"
+        if pending_high >= 0:
+            if is_high or start != pending_high:
+                return True
+            pending_high = -1
+        elif is_high:
+            pending_high = match.end()
+        else:
+            return True
+    return pending_high >= 0
 
 
 def _utf8_len(text: str) -> int:
