@@ -15,29 +15,21 @@ for what the last scrape could not know. The engine's gauges lag: vLLM adds an a
 to its scheduler at the start of a step and publishes the gauges at the end of the next one, so
 with 2048-token prefill chunks at ~525 tok/s a request can be invisible for ~8 s. So:
 
-    load  = others + len(ours open)
-    others = max(0, scrape - ours the scrape is taken to include)
+    load = others + len(ours open)
 
 Every request of ours whose stream is open counts exactly once, however late the gauge shows it.
 `others` is what the scrape shows that our requests cannot explain (callers that bypass this
-gate, other replicas). Which of ours the scrape includes:
-- admitted more than `grace` before the scrape began: included (the gauge has caught up);
-- admitted within the grace and still open: NOT included, so `others` keeps the load that might
-  belong to someone else (if the scrape did see it, it is counted twice until it finishes);
-- admitted within the grace and finished since: included. It no longer loads the engine whether
-  or not the scrape caught it, so it must not keep a slot;
-- admitted after the scrape began: not included.
-The KV budget splits the observed KV usage the same way (below).
-
-Invariant (work conservation): a request of ours that finishes frees its slot and its KV
-reservation at once in every term, so a parked request is released by the very event that gives
-the engine room, never at the next poll. In front of an engine that nobody else calls, whose
-gauges show a request `grace` after its admission, the gate's load and free KV equal the
-engine's after every event; with a shorter lag the only excess is our own open requests admitted
-within the grace that the scrape did show, and it ends when each of them does
-(`tests/unit/test_gate_work_conservation.py`). The price: a request of ours that finished before
-the engine ever showed it is taken as seen, which can hide one request of others' until the next
-scrape (others exist only with callers that bypass the gate, or with independent replicas).
+gate, other replicas): the scrape minus our requests it includes. Ours admitted more than `grace`
+before the scrape began are in it, and so is every one admitted before the scrape that has
+finished since (it no longer loads the engine whether or not the scrape caught it, so it must not
+keep a slot). Ours admitted within the grace and still open may or may not be in it, so the
+scrape bounds `others` between two readings, all of them in it (low) or none (high), and the
+gate takes the value closest to the previous scrape's `others`: callers that bypass the gate
+are a steady load or none at all. In front of an engine nobody else calls that is 0, the low
+reading, and never counts a request of ours twice; with a steady bypassing load it is the high
+reading, and one of ours the scrape missed never hides one of theirs. Only a change of the
+bypassing load within the grace can be misread, by at most the requests we admitted in it,
+until the next scrape.
 
 KV-token budget (`kv_budget`, needs local accounting). The KV gauge lags: a 65k-token prompt
 admitted at 0% fills the cache over its whole prefill. So every admitted request reserves its
@@ -47,14 +39,27 @@ request is admitted only if its cost fits:
     available = capacity - others - reserved
     others    = max(0, used - reserved_seen)    # usage this replica's requests cannot explain
 
-`used` is the last scrape's KV usage x capacity; `reserved_seen` is what this replica had
-reserved for the requests the scrape is taken to include (as above: finished ones included);
-`reserved` is what it holds now. Our own requests' allocation is inside their reservation, so only the rest of the
-observed usage is charged again. With one gate in front of an engine this is an exact budget
-(given the estimates); with several independent gates each one's unallocated reservations are
+`used` is the last scrape's KV usage x capacity; `reserved` is what this replica holds now;
+`reserved_seen` is what it had reserved for the requests the scrape is taken to include. Here
+the rule is cautious, since over-admitting KV costs a preemption: an open request of ours counts
+as included only if it was admitted more than `grace` before the scrape began (until then its
+allocation, if the scrape shows it, is charged twice, to others and to its reservation); every
+finished one counts as included, so its reservation is free at once. Our own requests' allocation
+is inside their reservation, so only the rest of the observed usage is charged again. With one
+gate in front of an engine this is an exact budget (given the estimates); with several independent gates each one's unallocated reservations are
 invisible to the others until they show in the gauge, so the cap is soft, as the reference
 design accepted. A request whose cost exceeds the whole capacity can never fit: it is rejected
 at once instead of parked.
+
+Invariant (work conservation): a request of ours that finishes frees its slot and its KV
+reservation at once in every term, so a parked request is released by the very event that gives
+the engine room, never at the next poll. In front of an engine that nobody else calls, the
+gate's load equals the engine's after every event whatever the gauge's lag, and so does its free
+KV when the gauge shows a request `grace` after its admission; with a shorter lag the only excess
+is the KV of our open requests admitted within the grace that the scrape did show, until each of
+them ends (`tests/unit/test_gate_work_conservation.py`). The price: a request of ours that
+finished before the engine ever showed it is taken as seen, which, where callers bypass the gate,
+can hide one of theirs until the next scrape.
 
 Engine queue slots (`engine_queue_slots`, only with the budget): a request released by the gate
 reaches the engine after a gateway round trip, and vLLM adds it at the start of its next step;
@@ -181,6 +186,7 @@ class EngineGate:
         self._inflight: set[Ticket] = set()  # admitted by this replica, stream still open
         self._finished: list[_Finished] = []  # local tickets that finished after the last scrape began
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
+        self._others_before = 0  # `others` as the previous scrape left it, when the next one came
 
     # --- views ----------------------------------------------------------------------------
 
@@ -227,34 +233,47 @@ class EngineGate:
         block = self.block_size
         return math.ceil(ticket.tokens / block) * block
 
-    def _ours_in_scrape(self, snap: EngineSnapshot) -> tuple[int, int]:
-        """How many of our requests, and how many of their reserved KV tokens, the scrape includes.
+    def _ours_in_scrape(self, snap: EngineSnapshot) -> tuple[int, int, int]:
+        """Our requests the scrape surely includes, those it may include, and the KV of the first.
 
-        See the module docstring: open ones admitted more than `grace` before the scrape, and
-        every one admitted before the scrape that has finished since.
+        Surely: open ones admitted more than `grace` before the scrape began, and every one
+        admitted before it that has finished since. Maybe: open ones admitted within the grace.
         """
         seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
-        count = reserved = 0
+        surely = maybe = reserved = 0
         for t in self._inflight:
-            if t.admitted_at is not None and t.admitted_at < seen_before:
-                count += 1
+            if t.admitted_at is None or t.admitted_at >= snap.scrape_started:
+                continue
+            if t.admitted_at < seen_before:
+                surely += 1
                 reserved += t.reserved
+            else:
+                maybe += 1
         for f in self._finished:  # finished after the scrape began (older ones are dropped on observe)
             if f.admitted_at < snap.scrape_started:
-                count += 1
+                surely += 1
                 reserved += f.reserved
-        return count, reserved
+        return surely, maybe, reserved
+
+    def _others(self) -> int | None:
+        """Requests at the engine that ours cannot explain (module docstring), or None."""
+        snap = self._snapshot
+        if snap is None or self.state is not EngineState.FRESH:
+            return None
+        surely, maybe, _ = self._ours_in_scrape(snap)
+        high = max(0, snap.running + snap.waiting - surely)
+        return min(high, max(self._others_before, high - maybe))
 
     def effective_load(self) -> int | None:
         """running + waiting as the gate believes it now, or None without a usable snapshot."""
         snap = self._snapshot
         if snap is None or self.state is not EngineState.FRESH:
             return None
-        load = snap.running + snap.waiting
         if not self.limits.local_accounting:
-            return load
-        included, _ = self._ours_in_scrape(snap)
-        return max(0, load - included) + len(self._inflight)
+            return snap.running + snap.waiting
+        others = self._others()
+        assert others is not None
+        return others + len(self._inflight)
 
     def available_tokens(self) -> int | None:
         """Free KV tokens for new admissions, or None when the budget does not apply."""
@@ -262,7 +281,7 @@ class EngineGate:
         snap = self._snapshot
         if not self._budgeting or capacity is None or snap is None or self.state is not EngineState.FRESH:
             return None
-        _, reserved_seen = self._ours_in_scrape(snap)
+        _, _, reserved_seen = self._ours_in_scrape(snap)
         others = max(0.0, snap.kv_usage * capacity - reserved_seen)
         return math.floor(capacity - others - self.reserved_tokens)
 
@@ -347,9 +366,12 @@ class EngineGate:
 
     def observe(self, snapshot: EngineSnapshot, now: float) -> list[Decision]:
         """A poll succeeded: take the new snapshot and release whoever now fits."""
+        others = self._others()
+        if others is not None:
+            self._others_before = others
         self._snapshot = snapshot
         self._failed_polls = 0
-        self._finished = [f for f in self._finished if f.finished_at >= snapshot.scrape_started]
+        self._finished = [f for f in self._finished if f.finished_at > snapshot.scrape_started]
         return self._release(now)
 
     def poll_failed(self, now: float) -> list[Decision]:
