@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import math
@@ -77,6 +78,11 @@ class BenchConfig:
     sim_args: tuple[str, ...] = ()  # extra enginesim flags, after the preset
     workdir: Path | None = None
     progress: bool = True
+
+    @property
+    def concurrency(self) -> int | None:
+        """Closed-loop clients, or None for a scenario sent at its arrival offsets."""
+        return self.shape.concurrency or SCENARIOS[self.scenario].concurrency
 
     def service_env(self) -> dict[str, str]:
         """The admission service's environment for the gated modes (clocks scaled by 1/K)."""
@@ -316,12 +322,21 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
                 await asyncio.sleep(delay)
             await _send(clients[record.replica], record, contents[record.spec.index])
 
+        async def client_loop(queue: Iterator[RequestRecord]) -> None:
+            for record in queue:  # closed loop: the next request as soon as this one ends
+                await _send(clients[record.replica], record, contents[record.spec.index])
+
         for client in clients:  # connections and the client's lazy set-up, before the clock starts
             await client.models.list()
         t0 = loop.time()
         progress_task = asyncio.create_task(progress())
+        concurrency = cfg.concurrency
         try:
-            await asyncio.gather(*(one(r) for r in records))
+            if concurrency:
+                queue = iter(records)
+                await asyncio.gather(*(client_loop(queue) for _ in range(concurrency)))
+            else:
+                await asyncio.gather(*(one(r) for r in records))
             wall = loop.time() - t0
         finally:
             stop.set()
@@ -332,7 +347,10 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             sampler.note(await response.json())
         async with session.get(f"{deployment.engine_url}/control/arrivals") as response:
             arrivals = (await response.json())["arrivals"]
-    return {"records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals}
+        async with session.get(f"{deployment.engine_url}/control/timeline") as response:
+            occupancy = await response.json()
+    return {"records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals,
+            "occupancy": occupancy}
 
 
 # --- statistics and report -----------------------------------------------------------------------
@@ -346,6 +364,45 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     pos = (len(ordered) - 1) * q
     low, high = math.floor(pos), math.ceil(pos)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def work_conservation(records: Sequence[RequestRecord], arrivals: Sequence[dict[str, Any]],
+                      occupancy: dict[str, Any]) -> tuple[float, float]:
+    """Wall seconds requests were held before the engine, and of those, seconds the engine had room.
+
+    A request is held from when the client sent it until it reached the engine (or was turned
+    away), less the gateway's transit: the fastest any request of its class made the trip in this
+    run. It was held while the engine had room when, per the engine's own timeline, the engine held
+    fewer requests than max-num-seqs AND the request's whole need (prompt + max_tokens, in blocks)
+    fit beside the whole needs of the requests it held (so admitting it could never preempt).
+    """
+    arrived = {a["id"]: a["wall_time"] for a in arrivals if "wall_time" in a}
+    transit: dict[str, float] = {}
+    for r in records:
+        at = arrived.get(f"bench-{r.spec.index}")
+        if at is not None and r.sent is not None:
+            transit[r.spec.cls.name] = min(transit.get(r.spec.cls.name, math.inf), at - r.sent)
+    timeline = occupancy["timeline"]
+    times = [t for t, _, _ in timeline]
+    block, slots, capacity = occupancy["block_size"], occupancy["max_num_seqs"], occupancy["capacity_tokens"]
+    held_s = free_s = 0.0
+    for r in records:
+        if r.sent is None:
+            continue
+        at = arrived.get(f"bench-{r.spec.index}", r.finished)
+        if at is None:
+            continue
+        start, end = r.sent, max(r.sent, at - transit.get(r.spec.cls.name, 0.0))
+        held_s += end - start
+        need = -(-(r.spec.prompt_tokens + r.spec.max_tokens) // block) * block
+        i = max(0, bisect.bisect_right(times, start) - 1)
+        while i < len(timeline) and timeline[i][0] < end:
+            seg_end = timeline[i + 1][0] if i + 1 < len(timeline) else end
+            _, held, committed = timeline[i]
+            if held < slots and committed + need <= capacity:
+                free_s += max(0.0, min(end, seg_end) - max(start, timeline[i][0]))
+            i += 1
+    return held_s, free_s
 
 
 def _r(value: float | None, digits: int = 1) -> float | None:
@@ -367,13 +424,16 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         out = {}
         for name, group in [*by_class.items(), ("all", records)]:
             values = [getattr(r, attr) * k for r in group if r.outcome == "completed"]
-            out[name] = _r(percentile(values, q))
+            out[name] = _r(percentile(values, q), 3)
         return out
 
     by_id = {f"bench-{r.spec.index}": r for r in records}
     arrived = [by_id[a["id"]] for a in sorted(run["arrivals"], key=lambda a: a["arrival_time"]) if a["id"] in by_id]
     ends = [r.finished for r in records if r.finished is not None]
     starts = [r.sent for r in records if r.sent is not None]
+    held_s, free_s = work_conservation(records, run["arrivals"], run["occupancy"])
+    makespan = (max(ends) - min(starts)) * k if ends and starts else None
+    completed = sum(1 for r in records if r.outcome == "completed")
     result: dict[str, Any] = {
         "scenario": cfg.scenario,
         "mode": cfg.mode,
@@ -382,7 +442,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "time_scale": k,
         "seed": seed,
         "requests": len(records),
-        "completed": sum(1 for r in records if r.outcome == "completed"),
+        "completed": completed,
         "rejected": dict(sorted(rejected.items())),
         "incomplete": dict(sorted(incomplete.items())),
         "requests_by_class": {name: len(group) for name, group in by_class.items()},
@@ -391,6 +451,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "preemptions": preemptions,
         "preempted_requests": sum(1 for r in state.get("requests", []) if r["preemptions"] > 0),
         "ttft_p50": stat("ttft", 0.50),
+        "ttft_p90": stat("ttft", 0.90),
         "ttft_p95": stat("ttft", 0.95),
         "e2e_p50": stat("e2e", 0.50),
         "e2e_p95": stat("e2e", 0.95),
@@ -399,7 +460,12 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "peak_engine_running_plus_waiting": max(sampler.peak_running_plus_waiting, state.get("max_waiting", 0),
                                                 state.get("max_running", 0)),
         "peak_kv_usage": round(sampler.peak_kv_usage, 4),
-        "makespan_s": _r((max(ends) - min(starts)) * k if ends and starts else None),
+        "makespan_s": _r(makespan),
+        "throughput_rps": _r(completed / makespan, 2) if makespan else None,
+        # work conservation (engine seconds): time held before the engine, and the part of it
+        # during which the engine had room for the request (see work_conservation)
+        "held_s": _r(held_s * k, 2),
+        "parked_while_free_s": _r(free_s * k, 2),
         "stale_transitions": gateway["stale_transitions"] if gateway else 0,
         "poll_failures": gateway["poll_failures"] if gateway else {},
         "gateway_admitted": gateway["admitted"] if gateway else {},
@@ -414,6 +480,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
             "max_inflight": cfg.max_inflight, "kv_threshold": cfg.kv_threshold, "queue_depth": cfg.queue_depth,
             "park_cap_s": cfg.park_cap, "poll_interval_s": cfg.poll_interval,
             **({"rate": cfg.shape.rate, "duration_s": cfg.shape.duration} if cfg.scenario == "steady"
+               else {"concurrency": cfg.concurrency} if cfg.concurrency
                else {"spacing_s": cfg.shape.spacing}),
             **({"extra_env": dict(cfg.extra_env)} if cfg.extra_env else {}),
             **({"sim_args": list(cfg.sim_args)} if cfg.sim_args else {}),
@@ -423,7 +490,9 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
 
 
 def _fmt(value: float | None, width: int = 8) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.1f}"
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width}.3f}" if abs(value) < 10 else f"{value:>{width}.1f}"
 
 
 def render_run(result: dict[str, Any]) -> str:
@@ -446,7 +515,9 @@ def render_run(result: dict[str, Any]) -> str:
     if result["mode"] != "none":
         lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
                      f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
-    lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall)")
+    lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall), "
+                 f"throughput {result['throughput_rps']} req/s, held before the engine {result['held_s']} s, "
+                 f"of which with room at the engine (parked_while_free_s) {result['parked_while_free_s']} s")
     return "\n".join(lines)
 
 
@@ -464,6 +535,9 @@ COMBINED_COLUMNS = (
     ("peakKV", 7, lambda r: f"{r['peak_kv_usage']:.3f}"),
     ("stale", 6, lambda r: r["stale_transitions"]),
     ("makespan", 9, lambda r: r["makespan_s"]),
+    ("req/s", 7, lambda r: r["throughput_rps"]),
+    ("held", 8, lambda r: r["held_s"]),
+    ("pwfree", 8, lambda r: r["parked_while_free_s"]),
 )
 
 
@@ -534,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
     add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
     add("--spacing", type=float, default=0.5, help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
+    add("--concurrency", type=int, default=None,
+        help="closed-loop scenarios (short): clients sending back to back (default: the scenario's, 8)")
+    add("--count", type=int, default=None, help="closed-loop scenarios: requests in all (default: the scenario's)")
     add("--max-inflight", type=int, default=4, help="ADMISSION_MAX_INFLIGHT (the engine's max-num-seqs)")
     add("--kv-threshold", type=float, default=0.90, help="ADMISSION_KV_THRESHOLD")
     add("--queue-depth", type=int, default=8, help="VLLM_MAX_QUEUE_DEPTH per replica")
@@ -566,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.poll_interval / args.time_scale < 0.05:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
-    shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing)
+    shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing, concurrency=args.concurrency,
+                      count=args.count)
     base = dict(scenario=args.scenario, shared=args.shared, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet)

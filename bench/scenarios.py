@@ -11,7 +11,11 @@ cache. A 65,536-token prompt is a 262,144-byte content and a ~262 KB body, well 
 service's 1 MiB body cap (MAX_BODY_BYTES).
 
 Prompt classes (name: prompt tokens, max_tokens):
-    65k: 65,536 / 256     8k: 8,192 / 128     1k: 1,024 / 64     smoke: 256 / 16
+    65k: 65,536 / 256     8k: 8,192 / 128     1k: 1,024 / 64     smoke: 256 / 16     short: 32 / 3
+
+A scenario with a `concurrency` is closed-loop: that many clients each send their next request
+as soon as the previous one ends (the arrival offsets are ignored), which is how chat load
+generators (aiperf, vLLM's benchmark with --max-concurrency) drive an engine.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ CLASSES: dict[str, PromptClass] = {
         PromptClass("8k", 8_192, 128),
         PromptClass("1k", 1_024, 64),
         PromptClass("smoke", 256, 16),
+        # ~250 ms on the reference engine with four sequences decoding (a 73 ms step): a short
+        # chat turn, the shape most real traffic has.
+        PromptClass("short", 32, 3),
     )
 }
 
@@ -66,6 +73,8 @@ class LoadShape:
     rate: float = 0.03  # steady: arrivals per engine second
     duration: float = 600.0  # steady: engine seconds of arrivals
     spacing: float = 0.5  # bursts: engine seconds between consecutive sends
+    concurrency: int | None = None  # closed loop: clients sending back to back (None: the scenario's)
+    count: int | None = None  # closed loop: requests in all (None: the scenario's)
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class Scenario:
     seed: int
     build: Callable[[random.Random, LoadShape], list[RequestSpec]]
     time_scale: float = 20.0  # default K: poll interval 2/K = 0.1 s, and a run under a minute
+    concurrency: int | None = None  # closed loop with this many clients (arrival offsets ignored)
 
 
 def prompt_content(spec: RequestSpec, seed: int) -> str:
@@ -115,6 +125,15 @@ def _steady(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
     return specs
 
 
+def _closed_loop(name: str, count: int) -> Callable[[random.Random, LoadShape], list[RequestSpec]]:
+    """`count` requests of one class (or --count), sent by the scenario's clients back to back."""
+
+    def build(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
+        return [RequestSpec(i, CLASSES[name], 0.0) for i in range(shape.count or count)]
+
+    return build
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -127,6 +146,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("steady", "Poisson arrivals at --rate per engine second for --duration engine seconds; "
                  "mix " + ", ".join(f"{w:.0%} {n}" for n, w in STEADY_MIX),
                  seed=7, build=_steady),
+        Scenario("short", "400 short chat requests (32-token prompt, 3 tokens, ~250 ms each) from --concurrency "
+                 "clients back to back (default 8): does the gate keep the engine busy?",
+                 # real time: the gateway's per-request cost is not scaled, and at K=20 it would be
+                 # as long as a whole request
+                 seed=11, build=_closed_loop("short", 400), time_scale=1.0, concurrency=8),
         Scenario("smoke", "6 small prompts (256 tokens, max_tokens 16) in a burst: a quick check of the harness",
                  seed=1, build=_burst({"smoke": 6})),
     )

@@ -253,6 +253,11 @@ class Engine:
         self.requests: list[RequestHandle] = []
         self.num_finished = 0
         self.num_aborted = 0
+        # Ground truth for benchmarks: (monotonic wall time, requests held, KV tokens they will
+        # hold at most), appended whenever a request arrives or ends. See ``occupancy``.
+        self._held = 0
+        self._committed = 0
+        self.timeline: list[tuple[float, int, int]] = [(time.monotonic(), 0, 0)]
 
     def start(self) -> None:
         for rank in self.ranks:
@@ -297,8 +302,9 @@ class Engine:
         handle.arrival = {"seq": seq, **info, "engine": rank.index,
                           "engine_request_id": handle.engine_request_id,
                           "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-                          "arrival_time": handle.arrival_time}
+                          "arrival_time": handle.arrival_time, "wall_time": time.monotonic()}
         self.arrivals.append(handle.arrival)
+        self._note_occupancy(+1, handle)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -309,6 +315,32 @@ class Engine:
             self.num_finished += 1
         elif handle.state == "aborted":
             self.num_aborted += 1
+        self._note_occupancy(-1, handle)
+
+    def need_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The most KV a request can hold (prompt + every token it may generate), in whole blocks."""
+        block = self.config.scheduler.block_size
+        return -(-(prompt_tokens + max_tokens) // block) * block
+
+    def _note_occupancy(self, sign: int, handle: RequestHandle) -> None:
+        self._held += sign
+        self._committed += sign * self.need_tokens(handle.prompt_tokens, handle.max_tokens)
+        self.timeline.append((time.monotonic(), self._held, self._committed))
+
+    def occupancy(self) -> dict[str, Any]:
+        """The /control/timeline document: when the engine had room, for work-conservation figures.
+
+        A request is held from its arrival until it finishes or is aborted (waiting, running or
+        preempted). ``committed_tokens`` is the KV those requests will hold at most: what a
+        newcomer's whole need must fit beside so that it can never cause a preemption.
+        """
+        sched = self.config.scheduler
+        return {
+            "max_num_seqs": sched.max_num_seqs * len(self.ranks),
+            "capacity_tokens": sched.usable_blocks * sched.block_size * len(self.ranks),
+            "block_size": sched.block_size,
+            "timeline": self.timeline,
+        }
 
     def state(self) -> dict[str, Any]:
         """The /control/state document."""

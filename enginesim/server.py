@@ -205,6 +205,7 @@ class ControlApi:
       ``1.5``).
     - ``POST /control/hold`` ``{"hold": bool}``: stop / resume engine steps.
     - ``GET /control/state``, ``GET /control/arrivals``: what the engine saw.
+    - ``GET /control/timeline``: when it held how many requests and how much KV (``Engine.occupancy``).
     - ``POST /control/reset``: fresh schedulers and metrics; also unpins, sets the metrics
       mode back to ok and releases the hold. Requests in flight end with an error.
     """
@@ -277,6 +278,9 @@ class ControlApi:
         doc["metrics_mode"] = self.state["metrics_mode"]
         doc["pins"] = self.engine.metrics.pins
         return _json(doc)
+
+    async def timeline(self, request: web.Request) -> web.Response:
+        return _json(self.engine.occupancy())
 
     async def arrivals(self, request: web.Request) -> web.Response:
         items = [{"id": a["request_id"] if a["request_id"] is not None else str(a["seq"]), **a}
@@ -379,6 +383,7 @@ def create_app(config: SimConfig, engine: Engine | None = None) -> web.Applicati
     app.router.add_post("/control/hold", control.hold)
     app.router.add_get("/control/state", control.get_state)
     app.router.add_get("/control/arrivals", control.arrivals)
+    app.router.add_get("/control/timeline", control.timeline)
     app.router.add_post("/control/reset", control.reset)
     return app
 

@@ -20,12 +20,13 @@ FIELDS = (
     "scenario", "mode", "replicas", "time_scale", "requests", "completed", "rejected", "parked",
     "preemptions", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95", "max_engine_waiting",
     "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s", "stale_transitions",
+    "ttft_p90", "throughput_rps", "held_s", "parked_while_free_s",
 )
 
 
-def run_bench(*args: str) -> tuple[dict, str]:
+def run_bench(*args: str, scenario: str = "smoke") -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.admission", "--scenario", "smoke", "--quiet", *args],
+        [sys.executable, "-m", "bench.admission", "--scenario", scenario, "--quiet", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -49,6 +50,8 @@ def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> No
     assert result["peak_engine_running_plus_waiting"] >= result["max_engine_waiting"]
     assert 0 < result["peak_kv_usage"] <= 1
     assert result["makespan_s"] > 0
+    assert result["throughput_rps"] > 0
+    assert 0 <= result["parked_while_free_s"] <= result["held_s"]
     for key in ("ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
         assert set(result[key]) == {"smoke", "all"}
     assert 0 < result["ttft_p50"]["smoke"] <= result["ttft_p95"]["smoke"] <= result["e2e_p95"]["smoke"]
@@ -67,3 +70,14 @@ def test_all_prints_one_combined_table_and_a_json_list() -> None:
     result, table = run_bench("--all", "--replicas-list", "1")
     assert [(r["mode"], r["replicas"]) for r in result["runs"]] == [("none", 1), ("reference", 1), ("full", 1)]
     assert table.count("\nnone ") == 2 and "peak r+w" in table
+
+
+def test_short_scenario_runs_closed_loop_with_its_concurrency() -> None:
+    result, table = run_bench("--mode", "full", "--count", "24", "--concurrency", "6", scenario="short")
+    assert (result["requests"], result["completed"], result["time_scale"]) == (24, 24, 1.0)
+    assert result["settings"]["concurrency"] == 6
+    # six clients, one request each at a time: never more than six at the gateway or the engine
+    assert result["peak_engine_running_plus_waiting"] <= 6
+    assert sum(result["gateway_admitted"].values()) == 24
+    assert 0 <= result["parked_while_free_s"] <= result["held_s"]
+    assert "throughput" in table

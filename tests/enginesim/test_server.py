@@ -417,3 +417,30 @@ async def test_time_scale_keeps_reported_durations_in_engine_seconds(make_sim):
     assert sample(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(0, abs=1e-9)
     assert 8192 / prefill == pytest.approx(523.6, abs=0.1)  # ~525 tok/s uncontended prefill
     assert 30 / decode == pytest.approx(30.0, abs=0.01)     # 30 tok/s lone decode
+
+
+async def test_timeline_records_when_the_engine_held_requests_and_their_whole_kv_need(sim):
+    await sim.control("hold", {"hold": True})
+    body = {"model": "sim-model", "prompt": "abcdefgh", "max_tokens": 30}  # 2 + 30 tokens: 2 blocks
+    task = asyncio.create_task(sim.client.post("/v1/completions", json=body))
+
+    async def arrived() -> bool:
+        return (await sim.state())["waiting"] == 1
+
+    await poll(arrived)
+    async with sim.client.get("/control/timeline") as resp:
+        held = await resp.json()
+    await sim.control("hold", {"hold": False})
+    async with await task as resp:
+        assert resp.status == 200
+    async with sim.client.get("/control/timeline") as resp:
+        done = await resp.json()
+
+    assert (held["max_num_seqs"], held["capacity_tokens"], held["block_size"]) == (4, 511 * 16, 16)
+    assert [row[1:] for row in held["timeline"]] == [[0, 0], [1, 32]]
+    assert [row[1:] for row in done["timeline"]] == [[0, 0], [1, 32], [0, 0]]
+    times = [row[0] for row in done["timeline"]]
+    assert times == sorted(times)
+    async with sim.client.get("/control/arrivals") as resp:
+        (arrival,) = (await resp.json())["arrivals"]
+    assert times[0] <= arrival["wall_time"] <= times[1]  # the same (monotonic) clock as the timeline
