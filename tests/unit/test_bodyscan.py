@@ -142,6 +142,8 @@ def test_a_lone_surrogate_in_the_model_is_rejected_and_a_pair_is_read() -> None:
     assert info.value.outcome is Outcome.INVALID_BODY
     with pytest.raises(BodyError):
         scan_body(b'{"model":"m\\udc00\\ud800"}')
+    with pytest.raises(BodyError):  # yajl pairs a high surrogate with any next escape
+        scan_body(b'{"model":"\\ud83d\\u3333de00"}')
     assert scan_body(b'{"model":"m\\ud83d\\ude00"}').model == "m\U0001f600"
     assert scan_body(b'{"model":"m?\\\\ud800"}').model == "m?\\ud800"  # an escaped backslash, not an escape
     assert scan_body(b'{"model":"m?","x":"\\ud83d\\ude00"}').model == "m?"
@@ -156,6 +158,10 @@ def test_a_lone_surrogate_in_the_model_is_rejected_and_a_pair_is_read() -> None:
         (b'"model"', Outcome.INVALID_BODY),
         (b'{"model": "m"', Outcome.INVALID_BODY),  # truncated
         (b'{"model": "m"} {"model": "n"}', Outcome.INVALID_BODY),  # trailing document
+        (b'{"model": "m"}"n', Outcome.INVALID_BODY),  # trailing unterminated string (yajl ignores it)
+        (b'{"model": "m"} "n}', Outcome.INVALID_BODY),
+        (b'{"model": "m"}"n\\', Outcome.INVALID_BODY),
+        (b'{"model": "m"}1', Outcome.INVALID_BODY),
         (b'{"model": "m", "x": NaN}', Outcome.INVALID_BODY),
         (b"\xff\xfe{}", Outcome.INVALID_BODY),
         (b'{"messages": []}', Outcome.MISSING_MODEL),
@@ -171,6 +177,10 @@ def test_bad_bodies_map_to_their_outcome(body: bytes, outcome: Outcome) -> None:
         scan_body(body)
     assert info.value.outcome is outcome
     assert info.value.message
+
+
+def test_trailing_whitespace_is_json() -> None:
+    assert scan_body(b'{"model": "m"} \r\n\t ').model == "m"
 
 
 def test_a_one_megabyte_prompt_is_scanned_without_keeping_it() -> None:

@@ -10,125 +10,19 @@ The only bodies the scan may reject although the engine would accept them are th
 deliberate strictnesses (`extproc/bodyscan.py`): not strictly UTF-8, NaN/Infinity, numbers beyond
 64-bit integers or a double's range, nesting deeper than MAX_DEPTH, a lone surrogate in `model`,
 and numeric/boolean strings outside the canonical forms. `gateway_may_be_stricter` names them;
-nothing else may differ. A longer, coverage-guided run: `python -m bench.fuzz_body`.
+nothing else may differ. The oracle lives in `bench/fuzz_body.py`, whose command is the longer,
+coverage-guided run: `python -m bench.fuzz_body --minutes 10`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
-import pydantic
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.bodyscan import MAX_DEPTH, BodyError, scan_body
-from extproc.outcomes import Outcome
-
-
-class EngineFields(pydantic.BaseModel):
-    """The fields the gateway reads, typed as vLLM's ChatCompletionRequest declares them."""
-
-    model_config = pydantic.ConfigDict(extra="allow")
-    model: str | None = None
-    stream: bool | None = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-
-
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    return 0
-
-
-def _walk(value: Any):  # noqa: ANN202
-    yield value
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _walk(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _walk(v)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(name)
-
-
-def gateway_may_be_stricter(body: bytes, doc: dict[str, Any]) -> bool:
-    """The documented cases where the gateway answers 400 and the engine might not."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
-    if text.startswith("\ufeff"):
-        return True
-    try:
-        json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        return True  # NaN / Infinity
-    for value in _walk(doc):
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int) and not -(2**63) <= value < 2**63:
-            return True
-        if isinstance(value, float) and not math.isfinite(value):
-            return True
-        if isinstance(value, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-            return True  # lone surrogates: only `model` is rejected for them; elsewhere harmless
-    if _depth(doc) > MAX_DEPTH:
-        return True
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = doc.get(key)
-        if isinstance(value, str) and (len(value) > 64 or "_" in value
-                                       or any(c.isspace() and c not in " \t\n\r" for c in value)):
-            return True
-    stream = doc.get("stream")
-    return isinstance(stream, str) and not stream.isascii()
-
-
-def engine_reading(body: bytes) -> tuple[str, Any]:
-    """('reject', None), ('policy', Outcome) or ('accept', (model, stream, max_tokens, mct))."""
-    try:
-        pairs = json.loads(body, object_pairs_hook=lambda p: ("__pairs__", p))
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        return "reject", None
-    if not isinstance(doc, dict):
-        return "reject", None
-    try:
-        fields = EngineFields.model_validate(doc)
-    except pydantic.ValidationError:
-        return "reject", doc
-    model_keys = sum(1 for k, _ in pairs[1] if k == "model")
-    if model_keys > 1:
-        return "policy", (Outcome.DUPLICATE_MODEL, doc)
-    if not isinstance(doc.get("model"), str) or not doc["model"]:
-        return "policy", (Outcome.MISSING_MODEL, doc)
-    return "accept", (doc, (fields.model, fields.stream is True, fields.max_tokens, fields.max_completion_tokens))
-
-
-def check(body: bytes) -> None:
-    verdict, detail = engine_reading(body)
-    try:
-        facts = scan_body(body)
-    except BodyError as exc:
-        if verdict == "accept":
-            doc, _ = detail
-            assert gateway_may_be_stricter(body, doc), (body, exc.outcome, exc.message)
-        elif verdict == "policy":
-            outcome, doc = detail
-            assert exc.outcome is outcome or gateway_may_be_stricter(body, doc), (body, exc.outcome, outcome)
-        return
-    assert verdict == "accept", (body, verdict, facts)
-    _, expected = detail
-    assert (facts.model, facts.stream, facts.max_tokens, facts.max_completion_tokens) == expected, body
-    positive = [v for v in expected[2:] if v is not None and v > 0]
-    assert facts.generation_limit == (max(positive) if positive else None)
+from bench.fuzz_body import check, engine_reading
 
 
 # --- generators --------------------------------------------------------------------------------
