@@ -11,7 +11,8 @@ Envoys and sent with the official `openai` async client, streaming, so TTFT is w
 Modes:
 - `none`: Envoy straight to the engine (no ext_proc filter);
 - `reference`: the reference gate as it shipped: decisions from the last poll only
-  (`ADMISSION_LOCAL_ACCOUNTING=false`), park while KV >= 0.90 or running + waiting >= 4;
+  (`ADMISSION_LOCAL_ACCOUNTING=false`), park while KV >= 0.90 or running + waiting >= 4, and no
+  bound on Envoy's engine cluster;
 - `full`: the service with its defaults (only the limits and the scaled clocks are set).
 
 Time scale: the engine runs K times faster than real time, so the gateway's own clocks are scaled
@@ -163,7 +164,10 @@ class Deployment:
         env = cfg.service_env()
         sim_args = ["--preset", "reference", "--time-scale", f"{cfg.time_scale:g}", "--log-level", "WARNING",
                     *cfg.sim_args]
-        first = LocalStack(workdir / "replica0", sim_args=sim_args, extproc_env=env, with_extproc=gated)
+        # The reference gate had no bound on the engine cluster: reproduce it as it shipped.
+        self._envoy_args = {"bound_engines": False} if cfg.mode == "reference" else {}
+        first = LocalStack(workdir / "replica0", sim_args=sim_args, extproc_env=env, with_extproc=gated,
+                           envoy_args=self._envoy_args)
         self.stacks = [first]
         self._first = first
         self._cfg = cfg
@@ -179,7 +183,7 @@ class Deployment:
         shared = first if cfg.shared and self._gated else None
         for i in range(1, cfg.replicas):  # built once the engine's port is final
             stack = LocalStack(self._workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=self._env,
-                               with_extproc=self._gated, shared_extproc=shared)
+                               with_extproc=self._gated, shared_extproc=shared, envoy_args=self._envoy_args)
             self.stacks.append(stack)
             stack.start()
         if self._cfg.mode != "none":

@@ -232,7 +232,10 @@ class LocalStack:
         self._launch_retrying(launch, ("grpc_port", "admin_port"))
 
     def write_envoy_config(self) -> Path:
-        settings = load_settings(self.service_env())
+        env = self.service_env()
+        if not self.with_extproc:  # nothing gated: no ext_proc filter, no bound on the engine cluster
+            env = {**env, "ADMISSION_OBSERVE_MODELS": ""}
+        settings = load_settings(env)
         kwargs = {
             "listen_host": "127.0.0.1", "listen_port": self.envoy_port,
             "admin_host": "127.0.0.1", "admin_port": self.envoy_admin_port,

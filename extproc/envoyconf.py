@@ -14,6 +14,18 @@ The timeouts follow from the park cap (DESIGN.md, Envoy 1.40 facts):
 - each parked request holds one gRPC stream and one upstream request slot on the ext_proc
   cluster: its circuit breakers are set to the service's stream limit, far above any queue bound.
 
+The engine's own cluster is the backstop behind the service: its circuit breaker allows at most
+max in-flight + engine queue slots concurrent requests (`max_requests`, which Envoy applies to
+HTTP/1.1 upstreams too, counted across all workers). Whatever the service does (answers late
+under a burst, is down, is restarting) and whatever `failure_mode_allow` says, one Envoy never
+has more gated requests at the engine than the gate itself would admit; the next one gets
+Envoy's own 503 at once, shaped like the service's (JSON body, `Retry-After`,
+`x-admission-outcome: engine_overloaded`, local reply config on response flag UO). Gated paths,
+and any path with an escaped slash or backslash that the engine's router could decode into one,
+go to that cluster; every other path (`/v1/models`, `/health`, `/tokenize`, ...) goes to a
+second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
+long generations never starve health checks and model listings.
+
 Every request header starting with `x-admission-` is removed as the request enters Envoy (HCM
 early header mutation, before routing): only the service sets `x-admission-engine`, so a client
 cannot pick an engine, on gated paths, ungated paths, or while the service is down.
@@ -26,6 +38,7 @@ answers 503 (`status_on_error`) instead.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 from typing import Any
 
@@ -33,11 +46,15 @@ import yaml
 
 from .admission import PARK_TIMEOUT_MARGIN_SECONDS
 from .config import EngineConfig, Settings
-from .servicer import ROUTE_HEADER
+from .outcomes import Outcome
+from .servicer import OUTCOME_HEADER, ROUTE_HEADER
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
 #: Request headers with this prefix are removed as the request enters Envoy (client-set ones).
 STRIPPED_HEADER_PREFIX = "x-admission-"
+#: Paths the engine's router could decode into a gated path (RE2, whole path, query removed).
+ESCAPED_SEPARATOR_REGEX = ".*%(2[fF]|5[cC]).*"
+UNGATED_CLUSTER_SUFFIX = "_ungated"
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -56,7 +73,9 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int, connect_timeout: str) -> dict[str, Any]:
+def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int, connect_timeout: str,
+             max_connections: int | None = None) -> dict[str, Any]:
+    connections = max_connections or max_requests
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
@@ -65,8 +84,8 @@ def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int,
             "thresholds": [
                 {
                     "priority": "DEFAULT",
-                    "max_connections": max_requests,
-                    "max_pending_requests": max_requests,
+                    "max_connections": connections,
+                    "max_pending_requests": connections,
                     "max_requests": max_requests,
                     "max_retries": 3,
                 }
@@ -96,11 +115,54 @@ def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int,
     return cluster
 
 
-def _route(engine: EngineConfig, match_header: bool) -> dict[str, Any]:
-    match: dict[str, Any] = {"prefix": "/"}
-    if match_header:
-        match["headers"] = [{"name": ROUTE_HEADER, "string_match": {"exact": engine.name}}]
-    return {"match": match, "route": {"cluster": engine.cluster, "timeout": "0s"}}
+def engine_bound(settings: Settings, engine: EngineConfig) -> int:
+    """Concurrent requests one Envoy may have on an engine's gated cluster: what the gate admits."""
+    queue_slots = settings.engine_queue_slots if settings.kv_budget and settings.local_accounting else 0
+    return engine.limits.max_inflight + queue_slots
+
+
+def _route(match: dict[str, Any], cluster: str, engine: EngineConfig | None = None) -> dict[str, Any]:
+    if engine is not None:
+        match = {**match, "headers": [{"name": ROUTE_HEADER, "string_match": {"exact": engine.name}}]}
+    return {"match": match, "route": {"cluster": cluster, "timeout": "0s"}}
+
+
+def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
+    """Gated paths to each engine's bounded cluster (by the service's header with several engines,
+    else, as when the service is down, the first engine's); everything else to the first engine's
+    ungated cluster."""
+    engines, first = settings.engines, settings.engines[0]
+    if not settings.gating or not bound:
+        routes = [_route({"prefix": "/"}, e.cluster, e) for e in engines] if len(engines) > 1 else []
+        return routes + [_route({"prefix": "/"}, first.cluster)]
+    gated = [{"path": path} for path in settings.gated_paths]
+    gated.append({"safe_regex": {"regex": ESCAPED_SEPARATOR_REGEX}})
+    routes = [_route(m, e.cluster, e) for e in engines for m in gated] if len(engines) > 1 else []
+    routes += [_route(m, first.cluster) for m in gated]
+    routes.append(_route({"prefix": "/"}, first.cluster + UNGATED_CLUSTER_SUFFIX))
+    return routes
+
+
+def _overloaded_reply(settings: Settings) -> dict[str, Any]:
+    """Envoy's answer when an engine cluster's breaker trips, in the service's shape."""
+    body = json.dumps({"error": {
+        "message": "the engine is at capacity and the gateway holds no more requests for it; retry later",
+        "type": "service_unavailable", "code": Outcome.ENGINE_OVERLOADED.value}}, separators=(",", ":"))
+    return {
+        "mappers": [{
+            "filter": {"response_flag_filter": {"flags": ["UO"]}},
+            "status_code": 503,
+            "headers_to_add": [
+                {"header": {"key": "retry-after", "value": str(settings.retry_after_seconds)},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                {"header": {"key": OUTCOME_HEADER, "value": Outcome.ENGINE_OVERLOADED.value},
+                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+            ],
+            "body": {"inline_string": body},
+            "body_format_override": {"text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
+                                     "content_type": "application/json"},
+        }]
+    }
 
 
 def build_envoy_config(
@@ -114,8 +176,13 @@ def build_envoy_config(
     extproc_port: int | None = None,
     failure_mode: str = "open",
     stream_idle_timeout: float | None = None,
+    bound_engines: bool = True,
 ) -> dict[str, Any]:
-    """The Envoy bootstrap as a dict; `render_envoy_config` turns it into YAML."""
+    """The Envoy bootstrap as a dict; `render_envoy_config` turns it into YAML.
+
+    `bound_engines=False` leaves out the engine clusters' bound (and the ungated cluster): only
+    for reproducing the reference gate, which had none (`bench.admission --mode reference`).
+    """
     if failure_mode not in ("open", "closed"):
         raise ValueError(f"failure_mode={failure_mode!r}: must be open or closed")
     park = settings.max_park_seconds
@@ -129,9 +196,8 @@ def build_envoy_config(
     extproc_port = extproc_port or settings.grpc_port
 
     engines = settings.engines
-    multi = len(engines) > 1
-    routes = [_route(e, match_header=True) for e in engines] if multi else []
-    routes.append(_route(engines[0], match_header=False))  # ungated paths and the single-engine case
+    bound_engines = bound_engines and settings.gating
+    routes = _routes(settings, bound_engines)
 
     ext_proc: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -172,6 +238,7 @@ def build_envoy_config(
                 },
             }
         ],
+        "local_reply_config": _overloaded_reply(settings),
         "route_config": {
             "name": "engines",
             "virtual_hosts": [{"name": "engines", "domains": ["*"], "routes": routes}],
@@ -187,11 +254,14 @@ def build_envoy_config(
     clusters = [
         _cluster("extproc", extproc_host, extproc_port, http2=True, max_requests=settings.max_streams, connect_timeout="1s")
     ]
-    clusters += [
-        _cluster(e.cluster, e.upstream_host, e.upstream_port, http2=False, max_requests=settings.max_streams,
-                 connect_timeout="5s")
-        for e in engines
-    ]
+    for e in engines:
+        bound = engine_bound(settings, e) if bound_engines else settings.max_streams
+        clusters.append(_cluster(e.cluster, e.upstream_host, e.upstream_port, http2=False, max_requests=bound,
+                                 max_connections=settings.max_streams, connect_timeout="5s"))
+    if bound_engines:
+        first = engines[0]
+        clusters.append(_cluster(first.cluster + UNGATED_CLUSTER_SUFFIX, first.upstream_host, first.upstream_port,
+                                 http2=False, max_requests=settings.max_streams, connect_timeout="5s"))
     return {
         "admin": {"address": _addr(admin_host, admin_port)},
         "static_resources": {

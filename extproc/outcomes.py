@@ -34,6 +34,9 @@ class Outcome(enum.StrEnum):
     UNKNOWN_MODEL = "unknown_model"
     DUPLICATE_MODEL = "duplicate_model"
     AMBIGUOUS_PATH = "ambiguous_path"  # an encoded or non-canonical spelling of a gated path
+    # Answered by Envoy itself, never by the service: the engine cluster's circuit breaker is full
+    # (the backstop when the service answered late or not at all; see envoyconf).
+    ENGINE_OVERLOADED = "engine_overloaded"
     # The client went away while parked: nothing to answer, nothing admitted.
     CLIENT_GONE = "client_gone"
 

@@ -252,13 +252,29 @@ def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) ->
     mistral = clusters["engine_mistral-small"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     assert mistral["endpoint"]["address"]["socket_address"] == {"address": "mistral.models.svc.cluster.local", "port_value": 80}
     routes = _hcm(r.envoy)["route_config"]["virtual_hosts"][0]["routes"]
-    assert [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"), rt["route"]["cluster"]) for rt in routes] == [
-        ("qwen", "engine_qwen"), ("llama", "engine_llama"), ("mistral-small", "engine_mistral-small"), (None, "engine_qwen"),
-    ]
+    picked = [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"), rt["route"]["cluster"])
+              for rt in routes]
+    gated = len(r.values["admission"]["gatedPaths"]) + 1  # each gated path + escaped separators
+    assert picked == (
+        [("qwen", "engine_qwen")] * gated + [("llama", "engine_llama")] * gated
+        + [("mistral-small", "engine_mistral-small")] * gated + [(None, "engine_qwen")] * gated
+        + [(None, "engine_qwen_ungated")])
     assert all(rt["match"].get("headers", [{}])[0].get("name", "x-admission-engine") == "x-admission-engine" for rt in routes)
-    # One engine: a single route, no header match (the service sets no header).
+    # One engine: gated paths to its bounded cluster without a header match, the rest ungated.
     single = _hcm(chart.render().envoy)["route_config"]["virtual_hosts"][0]["routes"]
-    assert single == [{"match": {"prefix": "/"}, "route": {"cluster": "engine_vllm", "timeout": "0s"}}]
+    assert {rt["route"]["cluster"] for rt in single[:-1]} == {"engine_vllm"}
+    assert single[-1] == {"match": {"prefix": "/"}, "route": {"cluster": "engine_vllm_ungated", "timeout": "0s"}}
+
+
+def test_each_engine_cluster_admits_what_the_gate_admits(chart: Chart) -> None:
+    r = chart.render(VALUE_SETS["several-engines"])
+    bounds = {c["name"]: c["circuit_breakers"]["thresholds"][0]["max_requests"]
+              for c in r.envoy["static_resources"]["clusters"]}
+    slots = r.values["admission"]["engineQueueSlots"]
+    for engine in r.values["engines"]:
+        inflight = engine.get("maxInflight", r.values["admission"]["maxInflight"])
+        assert bounds[f"engine_{engine['name']}"] == inflight + slots
+    assert bounds["engine_qwen_ungated"] == r.values["admission"]["maxStreams"]
 
 
 def test_ext_proc_cluster_is_http2_with_circuit_breakers_at_max_streams(chart: Chart) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import subprocess
 import sys
 from pathlib import Path
@@ -91,13 +94,58 @@ def test_several_engines_get_a_cluster_each_and_routes_on_the_routing_header(tmp
         "  - {name: big, url: 'http://vllm-big.llm.svc:8000', models: [qwen]}\n"
         "  - {name: small, url: 'http://127.0.0.1:8001', models: [llama]}\n"
     )
-    doc = build_envoy_config(load_settings({"EXTPROC_CONFIG": str(path)}))
+    settings = load_settings({"EXTPROC_CONFIG": str(path)})
+    doc = build_envoy_config(settings)
     names = [c["name"] for c in doc["static_resources"]["clusters"]]
-    assert names == ["extproc", "engine_big", "engine_small"]
+    assert names == ["extproc", "engine_big", "engine_small", "engine_big_ungated"]
     routes = _hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    assert [r["match"].get("headers", [{}])[0].get("string_match") for r in routes] == [
-        {"exact": "big"}, {"exact": "small"}, None]
+    picked = [(r["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"), r["route"]["cluster"])
+              for r in routes]
+    gated = len(settings.gated_paths) + 1  # each gated path, and any path with an escaped separator
+    assert picked == ([("big", "engine_big")] * gated + [("small", "engine_small")] * gated
+                      + [(None, "engine_big")] * gated + [(None, "engine_big_ungated")])
     _validate(yaml.safe_dump(doc), tmp_path)
+
+
+def _thresholds(doc: dict, cluster: str) -> dict:
+    (found,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == cluster]
+    (thresholds,) = found["circuit_breakers"]["thresholds"]
+    return thresholds
+
+
+def test_the_engine_cluster_admits_no_more_concurrent_requests_than_the_gate() -> None:
+    settings = load_settings({**LOCAL_ENV, "ADMISSION_MAX_INFLIGHT": "6", "ADMISSION_ENGINE_QUEUE_SLOTS": "2"})
+    doc = build_envoy_config(settings)
+    assert _thresholds(doc, "engine_default")["max_requests"] == 8
+    assert _thresholds(doc, "engine_default_ungated")["max_requests"] == settings.max_streams
+    without_budget = build_envoy_config(load_settings({**LOCAL_ENV, "ADMISSION_MAX_INFLIGHT": "6",
+                                                       "ADMISSION_KV_BUDGET": "false"}))
+    assert _thresholds(without_budget, "engine_default")["max_requests"] == 6  # no engine queue slots
+
+
+def test_gated_paths_and_escaped_separators_route_to_the_bounded_cluster() -> None:
+    settings = load_settings(LOCAL_ENV)
+    routes = _hcm(build_envoy_config(settings))["route_config"]["virtual_hosts"][0]["routes"]
+    bounded = [r["match"] for r in routes if r["route"]["cluster"] == "engine_default"]
+    assert [m["path"] for m in bounded if "path" in m] == list(settings.gated_paths)
+    (regex,) = [m["safe_regex"]["regex"] for m in bounded if "safe_regex" in m]
+    assert re.fullmatch(regex, "/v1/chat%2Fcompletions") and re.fullmatch(regex, "/v1%5cchat")
+    assert not re.fullmatch(regex, "/v1/models")
+    assert routes[-1] == {"match": {"prefix": "/"}, "route": {"cluster": "engine_default_ungated", "timeout": "0s"}}
+
+
+def test_nothing_gated_means_no_bound_on_the_engine_cluster() -> None:
+    doc = build_envoy_config(load_settings({**LOCAL_ENV, "ADMISSION_OBSERVE_MODELS": ""}))
+    assert [c["name"] for c in doc["static_resources"]["clusters"]] == ["extproc", "engine_default"]
+    assert _thresholds(doc, "engine_default")["max_requests"] == load_settings(LOCAL_ENV).max_streams
+
+
+def test_the_breakers_answer_is_shaped_like_the_services() -> None:
+    (mapper,) = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["local_reply_config"]["mappers"]
+    assert mapper["filter"] == {"response_flag_filter": {"flags": ["UO"]}}
+    headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
+    assert headers == {"retry-after": "5", "x-admission-outcome": "engine_overloaded"}
+    assert json.loads(mapper["body"]["inline_string"])["error"]["code"] == "engine_overloaded"
 
 
 def test_client_set_admission_headers_are_removed_before_routing() -> None:

@@ -81,6 +81,16 @@ drain can wait the whole park cap, then needs time to generate. */}}
 {{- add (include "llm-admission.ceilSeconds" (include "llm-admission.parkCap" .)) (int64 .Values.shutdown.inflightAllowanceSeconds) -}}
 {{- end -}}
 
+{{/* Concurrent requests one Envoy may have on an engine's gated cluster: what the gate admits, max
+in-flight (the engine's own or the default) + the engine queue slots when the KV budget is on
+(extproc/envoyconf.py engine_bound). Argument: dict ctx, engine. */}}
+{{- define "llm-admission.engineBound" -}}
+{{- $a := .ctx.Values.admission -}}
+{{- $inflight := int64 (ternary .engine.maxInflight $a.maxInflight (hasKey .engine "maxInflight")) -}}
+{{- $slots := ternary (int64 $a.engineQueueSlots) 0 (and $a.kvBudget $a.localAccounting) -}}
+{{- add $inflight $slots -}}
+{{- end -}}
+
 {{/* Envoy's stat prefix of the inference listener; the preStop reads its downstream_rq_active. */}}
 {{- define "llm-admission.statPrefix" -}}inference{{- end -}}
 
@@ -105,8 +115,8 @@ host, port, http2 (bool), maxRequests, connectTimeout. */}}
   circuit_breakers:
     thresholds:
     - priority: DEFAULT
-      max_connections: {{ .maxRequests }}
-      max_pending_requests: {{ .maxRequests }}
+      max_connections: {{ .maxConnections | default .maxRequests }}
+      max_pending_requests: {{ .maxConnections | default .maxRequests }}
       max_requests: {{ .maxRequests }}
       max_retries: 3
   load_assignment:
@@ -329,6 +339,8 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: {{ $a.localAccounting | toString | quote }}
   - name: ADMISSION_KV_BUDGET
     value: {{ $a.kvBudget | toString | quote }}
+  - name: ADMISSION_ENGINE_QUEUE_SLOTS
+    value: {{ int64 $a.engineQueueSlots | quote }}
   - name: ADMISSION_BACKFILL
     value: {{ $a.backfill | toString | quote }}
   - name: ADMISSION_BYTES_PER_TOKEN
