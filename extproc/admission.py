@@ -40,6 +40,7 @@ class Admission:
         self._waiters: dict[Ticket, asyncio.Future[Decision]] = {}
         self._engines: dict[str, _Engine] = {}
         self._closing = False
+        self._idle: asyncio.Event | None = None  # set when the last admitted request ends (wait_idle)
         self._retry_after = settings.retry_after_seconds
         for engine in settings.engines:
             limits = GateLimits(
@@ -124,6 +125,8 @@ class Admission:
             self._abandon(engine, ticket)
             return
         self._apply(engine, self._engines[engine].gate.finish(ticket, self.now()))
+        if self._idle is not None and self.inflight == 0:
+            self._idle.set()
 
     # --- engine side ----------------------------------------------------------------------
 
@@ -150,6 +153,24 @@ class Admission:
         self._closing = True
         for name, engine in self._engines.items():
             self._apply(name, engine.gate.drain(Outcome.SHUTTING_DOWN))
+
+    @property
+    def inflight(self) -> int:
+        """Requests this service admitted whose stream is still open, over every engine."""
+        return sum(entry.gate.inflight for entry in self._engines.values())
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no admitted request is open, or `timeout` seconds; whether it got there."""
+        if self.inflight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._idle = None
+        return True
 
     # --- internals ------------------------------------------------------------------------
 

@@ -2,9 +2,14 @@
 
 Start order: metrics → first engine poll (bounded by the poll interval, so a dead engine only
 delays startup by one interval) → first read of the engines' served models (same bound) → gRPC
-server → admin server (ready). Stop order on SIGTERM: not ready → gRPC health NOT_SERVING → parked requests answered 503 + Retry-After → gRPC server
-stops taking streams and waits up to the grace period for admitted streams to end → observer
-and admin server stop.
+server → admin server (ready). Stop order on SIGTERM: not ready → gRPC health NOT_SERVING →
+parked requests answered 503 + Retry-After → the gRPC server keeps taking streams while the
+requests it admitted finish (up to the grace period), and answers every newcomer 503
+`shutting_down` itself → it stops taking streams and gives what is left the rest of the grace →
+observer and admin server stop. gRPC refuses new streams as soon as its server is told to stop,
+and Envoy would forward those ungated (fail-open), which is why the server is stopped last; in a
+pod, Envoy drains before the service is even signalled (the chart's preStop hooks), and behind a
+service that is gone, the engine cluster's circuit breaker still bounds what reaches the engine.
 """
 
 from __future__ import annotations
@@ -94,7 +99,10 @@ class Service:
         await self._health.enter_graceful_shutdown()
         self.admission.shutdown()
         if self._grpc is not None and self._grpc_started:
-            await self._grpc.stop(grace)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace
+            await self.admission.wait_idle(grace)
+            await self._grpc.stop(max(0.0, deadline - loop.time()))
         await self.observer.stop()
         await self.models.stop()
         if self._probe is not None:
