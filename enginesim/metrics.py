@@ -23,6 +23,33 @@ Names, HELP strings, types, buckets and label names are copied from vLLM 0.11.0'
   counts a preemption only when the preempted request next emits a token (the event rides
   on its next output); the simulator counts it in the step that preempted.
 
+Profile ``vllm-0.33`` (the default; ``vllm-0.11`` keeps the exposition above exactly) follows
+vLLM 0.33.0's ``vllm/v1/metrics/loggers.py`` instead, family for family and in its order:
+
+- ``vllm:estimated_{flops,read_bytes,write_bytes}_per_gpu`` counters come first (PerfMetricsProm
+  creates them unconditionally; they stay 0 without ``--enable-mfu-metrics``).
+- ``vllm:num_requests_waiting`` = capacity + deferred, and
+  ``vllm:num_requests_waiting_by_reason{reason}``: ``capacity`` is SchedulerStats.num_waiting_reqs
+  (waiting for a slot or KV), ``deferred`` is num_skipped_waiting_reqs (held back by LoRA budget,
+  KV transfer or a blocked status). The simulator has none of those constraints, so ``deferred``
+  is always 0 and ``capacity`` equals the waiting gauge.
+- ``vllm:engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}``: 1/0/0 awake;
+  asleep at level 1 is 0/1/0, level 2 0/0/1, level 0 (scheduling paused) 0/0/0. While asleep no
+  step runs and no scheduler stats are recorded, so the scheduler gauges keep their last values.
+- ``vllm:admission_rejections{model_name,reason}`` (no ``engine`` label: the API server counts
+  them), reasons ``max_num_queued_reqs`` and ``max_num_queued_tokens``, both created at 0.
+- ``vllm:num_preemptions`` is counted as vLLM counts it: the PREEMPTED event rides on the
+  victim's next output, so a preemption is counted in the step in which the victim next emits a
+  token (never, if it is aborted first). ``vllm:request_num_preemptions`` observes each finished
+  request's count.
+- New zero-valued families the simulator has nothing to count for (external/mm caches, prompt
+  tokens by source, cached prompt tokens) exist with their label sets, as in vLLM.
+- ``vllm:time_per_output_token_seconds`` (deprecated in 0.11) is gone.
+- ``vllm:cache_config_info`` carries 0.33's CacheConfig fields (``metrics_info`` dumps the
+  instance ``__dict__``: every field in declaration order, then ``_block_size_resolved``), as
+  the API server's copy holds them after start-up: ``enable_prefix_caching`` True,
+  ``gpu_memory_utilization`` 0.92, the layout/hash fields the frontend never learns None.
+
 Metrics live on an injected ``CollectorRegistry``; there are no module-level metrics.
 """
 
@@ -46,7 +73,10 @@ from prometheus_client.metrics_core import Metric
 from .scheduler import ScheduledStep, SchedulerConfig, SchedulerStats, StepOutput
 
 __all__ = [
+    "ADMISSION_REASONS",
+    "DEFAULT_PROFILE",
     "EngineMetrics",
+    "PROFILES",
     "GAUGE_FAMILIES",
     "build_1_2_5_buckets",
     "cache_config_labels",
@@ -54,6 +84,15 @@ __all__ = [
 
 LABELNAMES = ["model_name", "engine"]
 FINISH_REASONS = ("stop", "length", "abort")  # str(FinishReason) in vLLM 0.11
+FINISH_REASONS_033 = ("stop", "length", "abort", "error", "repetition")  # FINISH_REASON_STRINGS
+PROFILES = ("vllm-0.33", "vllm-0.11")
+DEFAULT_PROFILE = "vllm-0.33"
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")  # loggers.py, 0.33
+WAITING_REASONS = ("capacity", "deferred")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 GAUGE_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                   "vllm:kv_cache_usage_perc")
 
@@ -109,6 +148,58 @@ def cache_config_labels(config: SchedulerConfig) -> dict[str, str]:
     }
 
 
+def cache_config_labels_033(config: SchedulerConfig, num_engines: int = 1) -> dict[str, str]:
+    """vLLM 0.33 CacheConfig.metrics_info() as the API server exports it.
+
+    ``{k: str(v) for k, v in self.__dict__.items()}`` over the pydantic dataclass: every field
+    in declaration order (vllm/config/cache.py), then ``_block_size_resolved`` which its
+    model validator sets. ``num_gpu_blocks`` is what the frontend holds after the engines'
+    ready responses: their sum over DP ranks (core_client._apply_ready_response). The worker-
+    side fields (kv_cache_layout, hash_block_size, ...) never reach the frontend: None.
+    ``effective_attention_block_size`` is the block size of the (single, full-attention) KV
+    group. The prefix-caching flag is 0.33's default, True.
+    """
+    return {
+        "block_size": str(config.block_size),
+        "user_specified_block_size": "False",
+        "kv_cache_layout": "None",
+        "prefix_match_unit": "None",
+        "gpu_memory_utilization": "0.92",
+        "cache_dtype": "auto",
+        "is_attention_free": "False",
+        "num_gpu_blocks_override": "None",
+        "sliding_window": "None",
+        "enable_prefix_caching": "True",
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_cache_retention_interval": "0",
+        "kv_cache_dtype_skip_layers": "[]",
+        "mamba_page_size_padded": "None",
+        "skip_page_size_padded": "None",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_ssm_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "enable_mamba_shared_prefix_checkpoint": "False",
+        "replayssm_buffer_len": "16",
+        "use_replayssm": "False",
+        "use_kda_recoverssm": "False",
+        "num_gpu_blocks": str(config.num_gpu_blocks * num_engines),
+        "num_cpu_blocks": "None",
+        "simple_cpu_offload_num_blocks": "None",
+        "effective_attention_block_size": str(config.block_size),
+        "kv_cache_size_tokens": "None",
+        "kv_cache_max_concurrency": "None",
+        "hash_block_size": "None",
+        "cache_hit_alignment_tokens": "None",
+        "kv_sharing_fast_prefill": "False",
+        "swa_bounded_replay": "True",
+        "kv_cache_memory_bytes": "None",
+        "kv_offloading_size": "None",
+        "kv_offloading_backend": "native",
+        "_block_size_resolved": "True",
+    }
+
+
 class _Without:
     """A collector view of a registry that drops some metric families."""
 
@@ -127,10 +218,17 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, config: SchedulerConfig, engine_indexes: Sequence[int],
                  registry: CollectorRegistry | None = None,
-                 process_collectors: bool = True) -> None:
+                 process_collectors: bool = True, profile: str | None = None) -> None:
+        if profile is None:
+            profile = getattr(config, "profile", None) or DEFAULT_PROFILE
+        if profile not in PROFILES:
+            raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+        self.profile = profile
+        v033 = profile == "vllm-0.33"
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
         self.engine_indexes = list(engine_indexes)
+        self.model_name = model_name
         if process_collectors:
             # vLLM serves the default registry, which carries these collectors first.
             GCCollector(registry=reg)
@@ -150,10 +248,43 @@ class EngineMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> dict[int, Any]:
             return per_engine(Histogram(name, doc, LABELNAMES, registry=reg, buckets=buckets))
 
+        def per_engine_by(metric: Any, values: Sequence[str]) -> dict[str, dict[int, Any]]:
+            return {value: {idx: metric.labels(model_name, str(idx), value)
+                            for idx in self.engine_indexes} for value in values}
+
+        if v033:
+            # PerfMetricsProm (vllm/v1/metrics/perf.py) registers these before anything else.
+            counter("vllm:estimated_flops_per_gpu_total",
+                    "Estimated number of floating point operations per GPU "
+                    "(for Model Flops Utilization calculations).")
+            counter("vllm:estimated_read_bytes_per_gpu_total",
+                    "Estimated number of bytes read from memory per GPU "
+                    "(for Model Flops Utilization calculations).")
+            counter("vllm:estimated_write_bytes_per_gpu_total",
+                    "Estimated number of bytes written to memory per GPU "
+                    "(for Model Flops Utilization calculations).")
         self.running = gauge("vllm:num_requests_running",
                              "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting",
                              "Number of requests waiting to be processed.")
+        self.waiting_by_reason: dict[str, dict[int, Any]] = {}
+        self.sleep_state: dict[str, dict[int, Any]] = {}
+        if v033:
+            self.waiting_by_reason = per_engine_by(Gauge(
+                "vllm:num_requests_waiting_by_reason",
+                "Number of waiting requests by reason. "
+                "Reason labels: 'capacity' = waiting for scheduling capacity; "
+                "'deferred' = deferred by transient constraints "
+                "(LoRA budget, KV transfer, blocked status). "
+                "Sum of all reasons equals vllm:num_requests_waiting.",
+                LABELNAMES + ["reason"], registry=reg), WAITING_REASONS)
+            self.sleep_state = per_engine_by(Gauge(
+                "vllm:engine_sleep_state",
+                "Engine sleep state; awake = 0 means engine is sleeping; "
+                "awake = 1 means engine is awake; "
+                "weights_offloaded = 1 means sleep level 1; "
+                "discard_all = 1 means sleep level 2.",
+                LABELNAMES + ["sleep_state"], registry=reg), SLEEP_STATES)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc",
                               "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_cache_queries = counter(
@@ -161,18 +292,50 @@ class EngineMetrics:
             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        if v033:
+            counter("vllm:external_prefix_cache_queries",
+                    "External prefix cache queries from KV connector "
+                    "cross-instance cache sharing, in terms of number of queried tokens.")
+            counter("vllm:external_prefix_cache_hits",
+                    "External prefix cache hits from KV connector "
+                    "cross-instance cache sharing, in terms of number of cached tokens.")
+            counter("vllm:mm_cache_queries",
+                    "Multi-modal cache queries, in terms of number of queried items.")
+            counter("vllm:mm_cache_hits",
+                    "Multi-modal cache hits, in terms of number of cached items.")
         self.preemptions = counter("vllm:num_preemptions",
                                    "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_by_source: dict[str, dict[int, Any]] = {}
+        if v033:
+            self.prompt_tokens_by_source = per_engine_by(Counter(
+                "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                LABELNAMES + ["source"], registry=reg), PROMPT_TOKEN_SOURCES)
+            counter("vllm:prompt_tokens_cached",
+                    "Number of cached prompt tokens (local + external).")
+            per_engine_by(Counter(
+                "vllm:prompt_tokens_cached_by_source",
+                "Prefix-cache hit tokens by the cache tier that supplied them: "
+                "device (local HBM), host (offloaded to DRAM), disk, p2p "
+                "(transferred from another vLLM instance) or "
+                "external_unspecified. Counted at admission; sums to "
+                "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+                LABELNAMES + ["source"], registry=reg), CACHE_HIT_SOURCES)
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           LABELNAMES + ["finished_reason"], registry=reg)
-        self.request_success = {
-            reason: {idx: success.labels(model_name, str(idx), reason)
-                     for idx in self.engine_indexes}
-            for reason in FINISH_REASONS
-        }
+        self.request_success = per_engine_by(
+            success, FINISH_REASONS_033 if v033 else FINISH_REASONS)
+        self.admission_rejections: dict[str, Any] = {}
+        if v033:
+            rejections = Counter(
+                "vllm:admission_rejections",
+                "Number of admission attempts rejected by a queue limit, by reason.",
+                ["model_name", "reason"], registry=reg)
+            self.admission_rejections = {
+                reason: rejections.labels(model_name=model_name, reason=reason)
+                for reason in ADMISSION_REASONS}
         len_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", len_buckets)
@@ -192,10 +355,12 @@ class EngineMetrics:
             len_buckets)
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.time_per_output_token = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds."
-            "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", TPOT_BUCKETS)
+        self.time_per_output_token: dict[int, Any] = {}
+        if not v033:
+            self.time_per_output_token = histogram(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds."
+                "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", TPOT_BUCKETS)
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.", TPOT_BUCKETS)
@@ -218,7 +383,20 @@ class EngineMetrics:
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
 
-        info_labels = cache_config_labels(config)
+        self.request_num_preemptions: dict[int, Any] = {}
+        self.prefill_kv_computed: dict[int, Any] = {}
+        if v033:
+            self.request_num_preemptions = histogram(
+                "vllm:request_num_preemptions",
+                "Histogram of the number of times a request was preempted.",
+                REQUEST_NUM_PREEMPTIONS_BUCKETS)
+            self.prefill_kv_computed = histogram(
+                "vllm:request_prefill_kv_computed_tokens",
+                "Histogram of new KV tokens computed during prefill "
+                "(excluding cached tokens).", len_buckets)
+
+        info_labels = (cache_config_labels_033(config, len(self.engine_indexes)) if v033
+                       else cache_config_labels(config))
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      list(info_labels) + ["engine"], registry=reg)
         for idx in self.engine_indexes:
@@ -227,14 +405,47 @@ class EngineMetrics:
         self.published: dict[int, SchedulerStats] = {
             idx: SchedulerStats(0, 0, 0.0, 0) for idx in self.engine_indexes}
         self.pins: dict[str, float | None] = {"running": None, "waiting": None, "kv_usage": None}
+        # 0.33 counter timing: preemptions not yet reported (their victim has not emitted a
+        # token since), and each live request's preemption count, keyed (engine, request id).
+        self._unreported_preemptions: dict[tuple[int, str], int] = {}
+        self._request_preemptions: dict[tuple[int, str], int] = {}
+        self.sleeping = False
+        self.sleep_level = 0
+        if v033:
+            self.record_sleep_state(False, 0)
         self._apply_gauges()
 
     # -- recording ------------------------------------------------------------------------
 
     def publish(self, engine_idx: int, stats: SchedulerStats) -> None:
-        """Set the scheduler gauges of one rank (vLLM does this after every step)."""
+        """Set the scheduler gauges of one rank (vLLM does this after every step).
+
+        While the engine sleeps (0.33) nothing is recorded: a sleeping vLLM engine runs no
+        step and sends no SchedulerStats, so its gauges keep the values of its last step.
+        """
+        if self.sleeping:
+            return
         self.published[engine_idx] = stats
         self._apply_gauges()
+
+    def record_sleep_state(self, sleep: bool, level: int = 0) -> None:
+        """vLLM 0.33 PrometheusStatLogger.record_sleep_state, on every rank."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        self.sleeping = sleep
+        self.sleep_level = level if sleep else 0
+        if not self.sleep_state:
+            return
+        values = {"awake": 0 if sleep else 1,
+                  "weights_offloaded": 1 if sleep and level == 1 else 0,
+                  "discard_all": 1 if sleep and level == 2 else 0}
+        for state, value in values.items():
+            for idx in self.engine_indexes:
+                self.sleep_state[state][idx].set(value)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """One request refused by the API server's queue limits (0.33)."""
+        self.admission_rejections[reason].inc()
 
     def set_pins(self, running: float | None, waiting: float | None,
                  kv_usage: float | None) -> None:
@@ -250,12 +461,21 @@ class EngineMetrics:
             kv_usage = pins["kv_usage"]
             self.running[idx].set(stats.num_running_reqs if running is None else running)
             self.waiting[idx].set(stats.num_waiting_reqs if waiting is None else waiting)
+            if self.waiting_by_reason:
+                # Every waiting request waits for capacity: the simulator has no LoRA budget,
+                # KV transfer or blocked status that would defer one.
+                self.waiting_by_reason["capacity"][idx].set(
+                    stats.num_waiting_reqs if waiting is None else waiting)
+                self.waiting_by_reason["deferred"][idx].set(0)
             self.kv_usage[idx].set(stats.kv_cache_usage if kv_usage is None else kv_usage)
 
     def record_step(self, engine_idx: int, step: ScheduledStep, output: StepOutput) -> None:
         """Fold one step's iteration stats into the counters and histograms."""
         idx = engine_idx
-        self.preemptions[idx].inc(output.num_preemptions)
+        if self.profile == "vllm-0.11":
+            self.preemptions[idx].inc(output.num_preemptions)
+        else:
+            self._count_preemptions_033(idx, step, output)
         self.prompt_tokens[idx].inc(output.num_prompt_tokens)
         self.generation_tokens[idx].inc(output.num_generation_tokens)
         self.iteration_tokens[idx].observe(output.num_prompt_tokens + output.num_generation_tokens)
@@ -263,7 +483,11 @@ class EngineMetrics:
             self.ttft[idx].observe(ttft)
         for itl in output.inter_token_latencies:
             self.inter_token_latency[idx].observe(itl)
-            self.time_per_output_token[idx].observe(itl)
+            if self.time_per_output_token:
+                self.time_per_output_token[idx].observe(itl)
+        if self.prompt_tokens_by_source:
+            # No prefix cache or KV transfer is modelled: every prompt token is computed locally.
+            self.prompt_tokens_by_source["local_compute"][idx].inc(output.num_prompt_tokens)
         for done in output.finished:
             self.max_num_generation_tokens[idx].observe(done.num_generation_tokens)
             self.params_n[idx].observe(1)
@@ -278,6 +502,31 @@ class EngineMetrics:
             self.request_time_per_output_token[idx].observe(done.mean_time_per_output_token)
             if done.max_tokens_param:
                 self.params_max_tokens[idx].observe(done.max_tokens_param)
+            if self.request_num_preemptions:
+                self.request_num_preemptions[idx].observe(
+                    self._request_preemptions.pop((idx, done.request_id), 0))
+                self._unreported_preemptions.pop((idx, done.request_id), None)
+                self.prefill_kv_computed[idx].observe(done.num_prompt_tokens)
+
+    def _count_preemptions_033(self, idx: int, step: ScheduledStep, output: StepOutput) -> None:
+        """vLLM 0.33: the scheduler queues a PREEMPTED event on the victim; the event reaches
+        the frontend (IterationStats.update_from_events) with the victim's next output."""
+        for request_id in step.preempted:
+            key = (idx, request_id)
+            self._unreported_preemptions[key] = self._unreported_preemptions.get(key, 0) + 1
+        if not self._unreported_preemptions:
+            return
+        for token in output.tokens:
+            count = self._unreported_preemptions.pop((idx, token.request_id), 0)
+            if count:
+                self.preemptions[idx].inc(count)
+                key = (idx, token.request_id)
+                self._request_preemptions[key] = self._request_preemptions.get(key, 0) + count
+
+    def forget(self, engine_idx: int, request_id: str) -> None:
+        """Drop the bookkeeping of a request that ended without finishing (aborted)."""
+        self._unreported_preemptions.pop((engine_idx, request_id), None)
+        self._request_preemptions.pop((engine_idx, request_id), None)
 
     # -- exposition -----------------------------------------------------------------------
 
