@@ -32,6 +32,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -126,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dp-routing", choices=DP_ROUTING, default="round-robin",
         help="how requests are spread over ranks: round-robin, or vLLM's least-loaded "
              "(lowest waiting*4 + running)")
+    add("--max-num-queued-reqs", type=_non_negative_int, default=None,
+        help="vLLM 0.33's API-server limit on unfinished requests (waiting + running, all "
+             "ranks): a request that would exceed it gets HTTP 503; unset = no limit")
+    add("--max-num-queued-tokens", type=_non_negative_int, default=None,
+        help="vLLM 0.33's API-server limit on the prompt tokens of requests still in prefill "
+             "(no token yet): once they reach it, new requests get HTTP 503; unset = no limit")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level")
     return parser
@@ -149,7 +165,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(host=args.host, port=args.port, model=args.model, scheduler=scheduler,
                      bytes_per_token=args.bytes_per_token,
                      default_max_tokens=args.default_max_tokens, time_scale=args.time_scale,
-                     data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing)
+                     data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
+                     max_num_queued_reqs=args.max_num_queued_reqs,
+                     max_num_queued_tokens=args.max_num_queued_tokens)
 
 
 async def serve(config: SimConfig) -> None:

@@ -38,6 +38,11 @@ class SimConfig:
     time_scale: float = 1.0
     data_parallel_size: int = 1
     dp_routing: str = "round-robin"
+    # vLLM 0.33's API-server queue limits (--max-num-queued-reqs / --max-num-queued-tokens,
+    # vllm/config/scheduler.py; None = no limit, >= 0); see server.QueueLimits.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    profile: str = "vllm-0.33"
 
     def __post_init__(self) -> None:
         if self.bytes_per_token <= 0:
@@ -50,6 +55,14 @@ class SimConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.dp_routing not in DP_ROUTING:
             raise ValueError(f"dp_routing must be one of {DP_ROUTING}, got {self.dp_routing!r}")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            limit = getattr(self, name)
+            if limit is None:
+                continue
+            if limit < 0:
+                raise ValueError(f"{name} must be >= 0, got {limit}")
+            if getattr(self, "profile", "vllm-0.33") == "vllm-0.11":
+                raise ValueError(f"{name} needs --profile vllm-0.33: vLLM 0.11 has no queue limits")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         sched = self.scheduler

@@ -21,7 +21,7 @@ Names, HELP strings, types, buckets and label names are copied from vLLM 0.11.0'
 - Counters follow vLLM's IterationStats: prompt tokens are counted once per request, at its
   first token; generation tokens as they are sampled. One deliberate difference: vLLM
   counts a preemption only when the preempted request next emits a token (the event rides
-  on its next output); the simulator counts it in the step that preempted.
+  on its next output); the simulator's 0.11 profile counts it in the step that preempted.
 
 Profile ``vllm-0.33`` (the default; ``vllm-0.11`` keeps the exposition above exactly) follows
 vLLM 0.33.0's ``vllm/v1/metrics/loggers.py`` instead, family for family and in its order:
@@ -38,10 +38,10 @@ vLLM 0.33.0's ``vllm/v1/metrics/loggers.py`` instead, family for family and in i
   step runs and no scheduler stats are recorded, so the scheduler gauges keep their last values.
 - ``vllm:admission_rejections{model_name,reason}`` (no ``engine`` label: the API server counts
   them), reasons ``max_num_queued_reqs`` and ``max_num_queued_tokens``, both created at 0.
-- ``vllm:num_preemptions`` is counted as vLLM counts it: the PREEMPTED event rides on the
-  victim's next output, so a preemption is counted in the step in which the victim next emits a
-  token (never, if it is aborted first). ``vllm:request_num_preemptions`` observes each finished
-  request's count.
+- ``vllm:num_preemptions`` sums ``StepOutput.num_preemptions``, whose timing the scheduler
+  owns: in 0.33 the PREEMPTED event rides on the victim's next output, so a preemption counts
+  in the step in which the victim next emits a token (never, if it is aborted first).
+  ``vllm:request_num_preemptions`` observes each finished request's count.
 - New zero-valued families the simulator has nothing to count for (external/mm caches, prompt
   tokens by source, cached prompt tokens) exist with their label sets, as in vLLM.
 - ``vllm:time_per_output_token_seconds`` (deprecated in 0.11) is gone.
@@ -405,9 +405,8 @@ class EngineMetrics:
         self.published: dict[int, SchedulerStats] = {
             idx: SchedulerStats(0, 0, 0.0, 0) for idx in self.engine_indexes}
         self.pins: dict[str, float | None] = {"running": None, "waiting": None, "kv_usage": None}
-        # 0.33 counter timing: preemptions not yet reported (their victim has not emitted a
-        # token since), and each live request's preemption count, keyed (engine, request id).
-        self._unreported_preemptions: dict[tuple[int, str], int] = {}
+        # Each live request's preemption count, keyed (engine, request id), for
+        # vllm:request_num_preemptions (0.33) when FinishedRequestStats does not carry it.
         self._request_preemptions: dict[tuple[int, str], int] = {}
         self.sleeping = False
         self.sleep_level = 0
@@ -472,10 +471,13 @@ class EngineMetrics:
     def record_step(self, engine_idx: int, step: ScheduledStep, output: StepOutput) -> None:
         """Fold one step's iteration stats into the counters and histograms."""
         idx = engine_idx
-        if self.profile == "vllm-0.11":
-            self.preemptions[idx].inc(output.num_preemptions)
-        else:
-            self._count_preemptions_033(idx, step, output)
+        # The scheduler decides when a preemption is counted (enginesim.scheduler: in 0.33 the
+        # step whose output carries the victim's next token); this only sums its figure.
+        self.preemptions[idx].inc(output.num_preemptions)
+        if self.request_num_preemptions:
+            for request_id in step.preempted:
+                key = (idx, request_id)
+                self._request_preemptions[key] = self._request_preemptions.get(key, 0) + 1
         self.prompt_tokens[idx].inc(output.num_prompt_tokens)
         self.generation_tokens[idx].inc(output.num_generation_tokens)
         self.iteration_tokens[idx].observe(output.num_prompt_tokens + output.num_generation_tokens)
@@ -503,29 +505,12 @@ class EngineMetrics:
             if done.max_tokens_param:
                 self.params_max_tokens[idx].observe(done.max_tokens_param)
             if self.request_num_preemptions:
-                self.request_num_preemptions[idx].observe(
-                    self._request_preemptions.pop((idx, done.request_id), 0))
-                self._unreported_preemptions.pop((idx, done.request_id), None)
+                own = self._request_preemptions.pop((idx, done.request_id), 0)
+                self.request_num_preemptions[idx].observe(getattr(done, "num_preemptions", own))
                 self.prefill_kv_computed[idx].observe(done.num_prompt_tokens)
-
-    def _count_preemptions_033(self, idx: int, step: ScheduledStep, output: StepOutput) -> None:
-        """vLLM 0.33: the scheduler queues a PREEMPTED event on the victim; the event reaches
-        the frontend (IterationStats.update_from_events) with the victim's next output."""
-        for request_id in step.preempted:
-            key = (idx, request_id)
-            self._unreported_preemptions[key] = self._unreported_preemptions.get(key, 0) + 1
-        if not self._unreported_preemptions:
-            return
-        for token in output.tokens:
-            count = self._unreported_preemptions.pop((idx, token.request_id), 0)
-            if count:
-                self.preemptions[idx].inc(count)
-                key = (idx, token.request_id)
-                self._request_preemptions[key] = self._request_preemptions.get(key, 0) + count
 
     def forget(self, engine_idx: int, request_id: str) -> None:
         """Drop the bookkeeping of a request that ended without finishing (aborted)."""
-        self._unreported_preemptions.pop((engine_idx, request_id), None)
         self._request_preemptions.pop((engine_idx, request_id), None)
 
     # -- exposition -----------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ __all__ = [
     "error_body",
     "model_list",
     "parse_request",
+    "queue_limit_error",
+    "sse_error_completion",
     "token_text",
     "usage",
     "usage_chunk",
@@ -68,6 +71,28 @@ def error_body(message: str, err_type: str, code: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
 
 
+# vLLM 0.33 vllm/exceptions.py: QueueOverflowError and MaxQueuedTokensError are
+# GracefulHTTPErrors; create_error_response (serve/exception_handling/error_response.py) gives
+# them type HTTPStatus(503).phrase and param None.
+QUEUE_FULL_MESSAGE = ("The engine is currently busy and cannot accept new requests. "
+                      "Please try again later or on a different instance.")
+QUEUED_TOKENS_MESSAGE = ("The engine has reached its prefill token backlog limit. "
+                         "Please try again later or on a different instance.")
+
+
+def queue_limit_error(reason: str) -> ApiError:
+    """The ApiError vLLM 0.33 answers when a queue limit (``reason``) refuses a request."""
+    message = QUEUE_FULL_MESSAGE if reason == "max_num_queued_reqs" else QUEUED_TOKENS_MESSAGE
+    return ApiError(503, message, "Service Unavailable")
+
+
+def sse_error_completion(body: dict[str, Any]) -> bytes:
+    """An error event as vLLM 0.33's completion stream writes it: ``json.dumps`` with its
+    default separators (``create_streaming_error_response``); the chat stream instead dumps the
+    ErrorResponse with pydantic, compact (``sse``)."""
+    return f"data: {json.dumps(body)}\n\n".encode("utf-8")
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     """What the engine needs from an OpenAI request body."""
@@ -82,6 +107,7 @@ class ParsedRequest:
     max_tokens_explicit: bool
     user: Any
     metadata: Any
+    n: int = 1  # only counted by the queue limits; one choice is generated whatever n says
 
 
 def _validation_error(detail: str) -> ApiError:
@@ -149,8 +175,14 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
 
 
 def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: int,
-                  bytes_per_token: float, default_max_tokens: int) -> ParsedRequest:
-    """Validate a request body like vLLM's frontend does; raise ApiError on refusal."""
+                  bytes_per_token: float, default_max_tokens: int,
+                  preflight: Callable[[int], None] | None = None) -> ParsedRequest:
+    """Validate a request body like vLLM's frontend does; raise ApiError on refusal.
+
+    ``preflight(n)`` runs where vLLM 0.33 runs ``_preflight`` (the queue limits): after the
+    request model validated and the served model matched, before the prompt is rendered and
+    its length checked; so a full queue answers 503 even to a prompt that is too long.
+    """
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -180,6 +212,11 @@ def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: in
     else:
         requested = _positive_int(body, "max_tokens")
 
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    if preflight is not None:
+        preflight(n)
+
     # vLLM's checks (serving_engine._validate_input); the chat handler appends the
     # exception's __cause__, which is None here, to the message.
     suffix = " None" if kind == CHAT else ""
@@ -207,6 +244,7 @@ def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: in
         max_tokens_explicit=requested is not None,
         user=body.get("user"),
         metadata=body.get("metadata"),
+        n=n,
     )
 
 

@@ -13,6 +13,14 @@ Behaviour that clients and gateways can observe:
   with ``handler_cancellation=True`` (``create_runner`` does this).
 - ``GET /metrics`` serves Prometheus text format 0.0.4 (OpenMetrics if the Accept header
   asks for it), subject to ``/control/metrics_mode``.
+- vLLM 0.33's queue limits (``--max-num-queued-reqs`` / ``--max-num-queued-tokens``), see
+  ``QueueLimits``: a refused request gets HTTP 503 and vLLM's JSON error body, no Retry-After,
+  streaming or not. vLLM checks twice: in ``_preflight`` before the prompt is rendered, and again
+  in ``AsyncLLM.add_request``, which for a stream runs inside the response generator, after the
+  200 and its headers went out. A request that passed the first check while others were
+  rendering can therefore still be refused by the second: then a non-streaming request gets
+  the same 503, a streaming one HTTP 200 with one SSE error event (the same body, code 503)
+  and ``data: [DONE]``. ``_render`` stands for the render step (one event-loop turn here).
 
 The /control routes (JSON in, JSON out) exist for deterministic tests; see ``ControlApi``.
 """
@@ -35,8 +43,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from . import protocol
 from .config import SimConfig
 from .engine import Engine, RequestHandle
+from .metrics import EngineMetrics
 
-__all__ = ["METRICS_CONTENT_TYPE", "METRICS_MODES", "create_app", "create_runner"]
+__all__ = ["METRICS_CONTENT_TYPE", "METRICS_MODES", "QueueLimits", "create_app", "create_runner"]
 
 log = logging.getLogger("enginesim.server")
 
@@ -71,6 +80,76 @@ class _DigestingStreamResponse(web.StreamResponse):
         await super().write(data)
 
 
+class QueueLimits:
+    """vLLM 0.33's ``AsyncLLM.check_admission``, over the requests this server has in flight.
+
+    - ``max_num_queued_reqs``: refused when unfinished requests (waiting + running on every
+      rank; ``OutputProcessor.get_num_unfinished_requests``) plus this request's ``n`` would
+      exceed the limit.
+    - ``max_num_queued_tokens``: refused when the prompt tokens of requests still in prefill
+      already reach the limit (``current >= max``; the newcomer's own prompt is not added).
+      "In prefill" is the frontend's ``is_prefilling``: true from arrival until the request's
+      first output reaches the API server, whatever chunked prefill has done, and it does not
+      become true again after a preemption (``OutputProcessor.get_num_queued_tokens``).
+
+    Each refusal increments ``vllm:admission_rejections{reason}`` (the requests check first).
+    """
+
+    def __init__(self, max_num_queued_reqs: int | None, max_num_queued_tokens: int | None,
+                 metrics: Any) -> None:
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_num_queued_tokens = max_num_queued_tokens
+        self._metrics = metrics  # a callable returning the engine's current EngineMetrics
+        self._in_flight: dict[RequestHandle, None] = {}
+        self._past_prefill: set[RequestHandle] = set()
+
+    @property
+    def active(self) -> bool:
+        return self.max_num_queued_reqs is not None or self.max_num_queued_tokens is not None
+
+    def _prune(self) -> None:
+        for handle in [h for h in self._in_flight if h.done]:
+            del self._in_flight[handle]
+            self._past_prefill.discard(handle)
+
+    def num_requests(self) -> int:
+        self._prune()
+        return len(self._in_flight)
+
+    def num_queued_tokens(self) -> int:
+        self._prune()
+        return sum(h.prompt_tokens for h in self._in_flight
+                   if h not in self._past_prefill and h.tokens.empty())
+
+    def check(self, n: int = 1) -> None:
+        """Raise vLLM's 503 ApiError if admitting ``n`` sequences would break a limit."""
+        if self.max_num_queued_reqs is not None and (
+                self.num_requests() + n > self.max_num_queued_reqs):
+            self._metrics().record_admission_rejection("max_num_queued_reqs")
+            raise protocol.queue_limit_error("max_num_queued_reqs")
+        if self.max_num_queued_tokens is not None and (
+                self.num_queued_tokens() >= self.max_num_queued_tokens):
+            self._metrics().record_admission_rejection("max_num_queued_tokens")
+            raise protocol.queue_limit_error("max_num_queued_tokens")
+
+    def track(self, handle: RequestHandle) -> None:
+        self._in_flight[handle] = None
+
+    def saw_token(self, handle: RequestHandle) -> None:
+        """The request's first output reached the API server: it is no longer prefilling."""
+        if handle in self._in_flight:
+            self._past_prefill.add(handle)
+
+
+LIMITS_KEY = web.AppKey("limits", QueueLimits)
+
+
+async def _render(parsed: protocol.ParsedRequest) -> None:
+    """vLLM renders the prompt (chat template, tokenizer) between its two admission checks;
+    an await there lets other requests in. Here: one turn of the event loop."""
+    await asyncio.sleep(0)
+
+
 class OpenAIApi:
     """The generation routes, /v1/models and /health."""
 
@@ -99,15 +178,29 @@ class OpenAIApi:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    @property
+    def limits(self) -> QueueLimits:
+        return self._app[LIMITS_KEY]
+
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         cfg = self.config
         raw = await request.read()
+        limits = self.limits
         try:
             parsed = protocol.parse_request(
                 kind, raw, served_model=cfg.model, max_model_len=cfg.scheduler.max_model_len,
-                bytes_per_token=cfg.bytes_per_token, default_max_tokens=cfg.default_max_tokens)
+                bytes_per_token=cfg.bytes_per_token, default_max_tokens=cfg.default_max_tokens,
+                preflight=limits.check if limits.active else None)
         except protocol.ApiError as exc:
             return _error(exc)
+        if limits.active:
+            await _render(parsed)
+            try:
+                limits.check(parsed.n)  # AsyncLLM.add_request's own check
+            except protocol.ApiError as exc:
+                if parsed.stream:
+                    return await self._stream_refused(request, parsed, exc)
+                return _error(exc)
         header_id = request.headers.get("X-Request-Id")
         # The body's and the response's SHA-256 let tests prove a proxy passed both unchanged.
         info = {"request_id": header_id, "model": parsed.model, "user": parsed.user,
@@ -116,6 +209,8 @@ class OpenAIApi:
         engine = self.engine
         held_at_arrival = engine.held
         handle = engine.submit(parsed.prompt_tokens, parsed.max_tokens, info)
+        if limits.active:
+            limits.track(handle)
         prefix = "chatcmpl" if kind == protocol.CHAT else "cmpl"
         response_id = f"{prefix}-{header_id or uuid.uuid4().hex}"
         created = int(time.time())
@@ -131,10 +226,26 @@ class OpenAIApi:
             if not handle.done:
                 engine.abort(handle)
 
+    async def _stream_refused(self, request: web.Request, parsed: protocol.ParsedRequest,
+                              exc: protocol.ApiError) -> web.StreamResponse:
+        """A stream refused by add_request's check: vLLM has already sent 200 and its SSE
+        headers; the generator yields one error event, then [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+        await response.prepare(request)
+        if parsed.kind == protocol.CHAT:
+            await response.write(protocol.sse(exc.body()))
+        else:
+            await response.write(protocol.sse_error_completion(exc.body()))
+        await response.write(protocol.SSE_DONE)
+        await response.write_eof()
+        return response
+
     async def _full(self, parsed: protocol.ParsedRequest, handle: RequestHandle,
                     response_id: str, created: int) -> web.Response:
         count = 0
         while await handle.tokens.get() is not None:
+            if count == 0:
+                self.limits.saw_token(handle)
             count += 1
         if handle.state != "finished":
             return _error(protocol.ApiError(500, "The engine was reset or is shutting down", "InternalServerError"))
@@ -156,6 +267,8 @@ class OpenAIApi:
         chat = parsed.kind == protocol.CHAT
         count = 0
         while (token := await handle.tokens.get()) is not None:
+            if count == 0:
+                self.limits.saw_token(handle)
             if not response.prepared:
                 await response.prepare(request)
             parts: list[dict[str, Any]] = []
@@ -204,6 +317,11 @@ class ControlApi:
       near the end is lost); ``nan`` / ``out_of_range`` (every KV usage value reads ``NaN`` /
       ``1.5``).
     - ``POST /control/hold`` ``{"hold": bool}``: stop / resume engine steps.
+    - ``POST /control/sleep`` ``{"level": 0|1|2}`` (default 1) / ``POST /control/wake_up``:
+      vLLM's ``/sleep`` and ``/wake_up`` (dev mode) as the metrics see them: no engine step
+      while asleep, ``vllm:engine_sleep_state`` (0.33) says so, and the scheduler gauges keep
+      the values of the last step (arrivals do not show). Requests in flight are kept
+      (vLLM's ``mode=keep``; its default ``abort`` would end them) and resume on wake-up.
     - ``GET /control/state``, ``GET /control/arrivals``: what the engine saw.
     - ``GET /control/timeline``: when it held how many requests and how much KV (``Engine.occupancy``).
     - ``POST /control/reset``: fresh schedulers and metrics; also unpins, sets the metrics
@@ -273,6 +391,20 @@ class ControlApi:
         self.engine.set_hold(hold)
         return _json({"hold": hold})
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        level = body.get("level", 1)
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise _bad(f"level must be 0, 1 or 2, got {level!r}")
+        self.engine.set_hold(True)
+        self.engine.metrics.record_sleep_state(True, level)
+        return _json({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        self.engine.metrics.record_sleep_state(False, 0)
+        self.engine.set_hold(False)
+        return _json({"status": "awake", "tags": None})
+
     async def get_state(self, request: web.Request) -> web.Response:
         doc = self.engine.state()
         doc["metrics_mode"] = self.state["metrics_mode"]
@@ -289,6 +421,7 @@ class ControlApi:
 
     async def reset(self, request: web.Request) -> web.Response:
         await self.engine.reset()
+        _sync_metrics_profile(self.engine, self._app[CONFIG_KEY])
         self.state["metrics_mode"] = "ok"
         return _json({"reset": True})
 
@@ -346,12 +479,24 @@ _BROKEN_DOCUMENTS = {
 }
 
 
+def _sync_metrics_profile(engine: Engine, config: SimConfig) -> None:
+    """Give the engine the metrics of ``config.profile`` if it built them for another one
+    (an Engine that does not pass the profile to EngineMetrics); otherwise a no-op."""
+    metrics = engine.metrics
+    if metrics.profile != config.profile:
+        engine.metrics = EngineMetrics(config.model, config.scheduler,
+                                       range(config.data_parallel_size), profile=config.profile)
+
+
 def create_app(config: SimConfig, engine: Engine | None = None) -> web.Application:
     """The simulator's aiohttp application; the engine starts and stops with it."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = engine if engine is not None else Engine(config)
+    _sync_metrics_profile(app[ENGINE_KEY], config)
     app[STATE_KEY] = {"metrics_mode": "ok", "shutdown": asyncio.Event()}
+    app[LIMITS_KEY] = QueueLimits(config.max_num_queued_reqs, config.max_num_queued_tokens,
+                                  lambda: app[ENGINE_KEY].metrics)
 
     async def on_startup(app: web.Application) -> None:
         app[ENGINE_KEY].start()
@@ -381,6 +526,8 @@ def create_app(config: SimConfig, engine: Engine | None = None) -> web.Applicati
     app.router.add_post("/control/unpin", control.unpin)
     app.router.add_post("/control/metrics_mode", control.metrics_mode)
     app.router.add_post("/control/hold", control.hold)
+    app.router.add_post("/control/sleep", control.sleep)
+    app.router.add_post("/control/wake_up", control.wake_up)
     app.router.add_get("/control/state", control.get_state)
     app.router.add_get("/control/arrivals", control.arrivals)
     app.router.add_get("/control/timeline", control.timeline)

@@ -123,7 +123,8 @@ async def test_models_and_health(sim):
 
 # -- /metrics -----------------------------------------------------------------------------
 
-async def test_metrics_exposes_vllm_families_with_their_labels(sim):
+async def test_metrics_exposes_vllm_0_11_families_with_their_labels(make_sim):
+    sim = await make_sim(profile="vllm-0.11")
     async with sim.client.get("/metrics") as resp:
         assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         text = await resp.text()
