@@ -129,3 +129,21 @@ def test_values_out_of_range_are_rejected(old: str, new: str, needle: str) -> No
 
 def test_kv_usage_of_exactly_one_is_in_range() -> None:
     assert parse_engine_metrics(EXPOSITION.replace('engine="1"} 0.75', 'engine="1"} 1.0')).kv_usage == 1.0
+
+
+def test_a_vllm_0_33_exposition_from_the_simulator_parses() -> None:
+    """0.33 adds vllm:num_requests_waiting_by_reason{reason} (capacity + deferred = waiting),
+    engine_sleep_state, admission_rejections and a 38-label cache_config_info; the prefilter
+    must keep only the gauges it reads (the by-reason family would double the waiting count)."""
+    from enginesim.metrics import EngineMetrics
+    from enginesim.scheduler import SchedulerConfig
+
+    metrics = EngineMetrics("m", SchedulerConfig(num_gpu_blocks=512, block_size=16), [0],
+                            process_collectors=False, profile="vllm-0.33")
+    metrics.set_pins(running=3, waiting=2, kv_usage=0.5)
+    text = metrics.exposition().decode()
+    assert 'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 2.0' in text
+    assert "vllm:engine_sleep_state" in text and "vllm:admission_rejections_total" in text
+    gauges = parse_engine_metrics(text, expect_capacity=True)
+    assert (gauges.running, gauges.waiting, gauges.kv_usage, gauges.ranks) == (3, 2, 0.5, 1)
+    assert (gauges.capacity_tokens, gauges.block_size) == (512 * 16, 16)
