@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from .config import DP_ROUTING, PRESETS, SimConfig
-from .scheduler import CostModel, SchedulerConfig
+from .scheduler import DEFAULT_PROFILE, PROFILES, CostModel, MemoryBoundCostModel, SchedulerConfig
 from .server import create_app, create_runner
 
 __all__ = ["build_parser", "config_from_args", "main"]
@@ -82,27 +82,46 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _by_preset(key: str) -> str:
-    return "default: the preset's; small: {}, reference: {}".format(
-        PRESETS["small"][key], PRESETS["reference"][key])
+    values = ", ".join(f"{name}: {preset[key]}" for name, preset in PRESETS.items()
+                       if key in preset)
+    return f"default: the preset's; {values}"
+
+
+LINEAR_COST_FLAGS = ("per_prefill_token_s", "per_decode_seq_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="enginesim",
         description=(
-            "A vLLM V1 (0.11) engine simulator: OpenAI-compatible API, vllm:* metrics and "
+            "A vLLM V1 engine simulator: OpenAI-compatible API, vllm:* metrics and "
             "the V1 scheduler (KV blocks, chunked prefill, preemption by recompute), with "
-            "no GPU. Geometry flags left unset take the preset's value."),
+            "no GPU. --profile picks the vLLM version it behaves as; --preset the GPU "
+            "geometry and step cost. Geometry flags left unset take the preset's value."),
         formatter_class=_HelpFormatter,
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on")
     add("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one")
     add("--model", default="sim-model", help="served model name (the only accepted `model`)")
-    add("--preset", choices=sorted(PRESETS), default="small",
+    add("--profile", choices=list(PROFILES), default=DEFAULT_PROFILE,
+        help="the vLLM scheduler to behave as. 'vllm-0.33' (today's defaults): a waiting "
+             "request is admitted only if its whole prompt (plus outputs so far) fits in the "
+             "free KV blocks (scheduler_reserve_full_isl), prefix caching keeps a finished or "
+             "preempted request's blocks reusable until evicted (a preempted request "
+             "recomputes only what was evicted), async scheduling runs one batch ahead "
+             "(arrivals and freed slots join one batch later), and a preemption is counted "
+             "when its victim next emits a token. 'vllm-0.11' (and any vLLM <= 0.18): admits "
+             "a prompt when its first chunk fits, no prefix cache, synchronous steps, so a "
+             "big prompt can be admitted and later preempted, recomputing from zero")
+    add("--preset", choices=list(PRESETS), default="small",
         help="engine geometry and cost model: 'small' is tiny and fast for tests; 'reference' "
              "is the reference engine (9527 blocks x 16, max_num_seqs 4, token budget 2048, "
-             "max_model_len 131072, ~525 tok/s prefill, 30 tok/s decode)")
+             "max_model_len 131072, linear cost: ~525 tok/s prefill, 30 tok/s decode per "
+             "sequence whatever the batch); 'h100-llama8b' is Llama-3.1-8B BF16 on one H100 "
+             "80GB (27800 blocks x 16, max_num_seqs 1024, token budget 8192, memory-bound "
+             "cost: a step reads the weights once plus every sequence's KV, so a lone "
+             "sequence decodes at ~143 tok/s and 64 at ~4,770 tok/s)")
     add("--num-gpu-blocks", type=_positive_int, default=None,
         help=f"KV cache blocks per engine rank, including vLLM's reserved null block "
              f"({_by_preset('num_gpu_blocks')})")
@@ -118,10 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--step-overhead-s", type=_non_negative_float, default=None,
         help=f"engine seconds every step costs ({_by_preset('step_overhead_s')})")
     add("--per-prefill-token-s", type=_non_negative_float, default=None,
-        help=f"engine seconds per prefill token in a step "
+        help=f"linear cost model only: engine seconds per prefill token in a step "
              f"({_by_preset('per_prefill_token_s')})")
     add("--per-decode-seq-s", type=_non_negative_float, default=None,
-        help=f"engine seconds per decoding sequence in a step "
+        help=f"linear cost model only: engine seconds per decoding sequence in a step "
              f"({_by_preset('per_decode_seq_s')})")
     add("--bytes-per-token", type=_positive_float, default=4.0,
         help="prompt tokens = ceil(UTF-8 bytes of the prompt text / this), at least 1")
@@ -150,13 +169,24 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """Merge flags over the preset; raises ValueError naming the bad setting."""
     preset: dict[str, Any] = dict(PRESETS[args.preset])
+    memory_bound = preset.pop("memory_bound", None)
+    if memory_bound is not None:
+        given = [key for key in LINEAR_COST_FLAGS if getattr(args, key, None) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ValueError(f"{flag} applies to the linear cost model; preset {args.preset} "
+                             "uses the memory-bound one")
     for key in preset:
         value = getattr(args, key, None)
         if value is not None:
             preset[key] = value
-    cost = CostModel(step_overhead_s=preset["step_overhead_s"],
-                     per_prefill_token_s=preset["per_prefill_token_s"],
-                     per_decode_seq_s=preset["per_decode_seq_s"])
+    cost: CostModel | MemoryBoundCostModel
+    if memory_bound is not None:
+        cost = MemoryBoundCostModel(step_overhead_s=preset["step_overhead_s"], **memory_bound)
+    else:
+        cost = CostModel(step_overhead_s=preset["step_overhead_s"],
+                         per_prefill_token_s=preset["per_prefill_token_s"],
+                         per_decode_seq_s=preset["per_decode_seq_s"])
     scheduler = SchedulerConfig(
         num_gpu_blocks=preset["num_gpu_blocks"], block_size=preset["block_size"],
         max_num_seqs=preset["max_num_seqs"],
@@ -167,7 +197,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      default_max_tokens=args.default_max_tokens, time_scale=args.time_scale,
                      data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                      max_num_queued_reqs=args.max_num_queued_reqs,
-                     max_num_queued_tokens=args.max_num_queued_tokens)
+                     max_num_queued_tokens=args.max_num_queued_tokens,
+                     profile=args.profile)
 
 
 async def serve(config: SimConfig) -> None:

@@ -1,6 +1,9 @@
 """Simulator settings: one frozen dataclass, built once from the command line.
 
-Two presets:
+Engine profile (``--profile``, ``SimConfig.profile``): ``vllm-0.33`` (the default) or
+``vllm-0.11``; what each does is in ``scheduler.PROFILES`` and enginesim/README.md.
+
+Three presets (geometry and step cost):
 
 - ``small`` (the default): a tiny, fast engine for tests. 512 blocks x 16 tokens,
   max_num_seqs 4, token budget 2048, max_model_len 4096; a step costs 1 ms plus 10 us per
@@ -9,16 +12,38 @@ Two presets:
 - ``reference``: the engine of the reference incident: 9527 blocks x 16 tokens
   (152,432 tokens of KV), max_num_seqs 4, max_model_len 131072 and a token budget of
   2048, which is vLLM 0.11's ``--max-num-batched-tokens`` default for the OpenAI server
-  on GPUs with < 70 GiB (arg_utils.py; 8192 on >= 70 GiB non-A100 GPUs). The cost model
-  gives ~525 tok/s uncontended prefill and 30 tok/s for a lone decoding sequence
+  on GPUs with < 70 GiB (arg_utils.py; 8192 on >= 70 GiB non-A100 GPUs). The linear cost
+  model gives ~525 tok/s uncontended prefill and 30 tok/s for a lone decoding sequence
   (see scheduler.CostModel).
+- ``h100-llama8b``: Llama-3.1-8B-Instruct in BF16 on one H100 SXM5 80GB, with the
+  memory-bound cost model (scheduler.MemoryBoundCostModel). Calibration, from published
+  figures (Meta's model card and config.json; NVIDIA's H100 datasheet; vLLM 0.33.0 source):
+
+  * weights: 8.03e9 parameters x 2 bytes = 16.06e9 bytes; 2 x 8.03e9 = 1.606e10 FLOPs per
+    token for the matmuls;
+  * KV per token: 2 (K, V) x 32 layers x 8 KV heads x 128 head dim x 2 bytes = 131,072 bytes
+    (128 KiB); attention FLOPs per query-key pair: 4 x 32 layers x 4096 query width = 524,288;
+  * H100 SXM5: 3.35 TB/s HBM3 and 989 TFLOPS dense BF16; the model assumes 80 % of the
+    bandwidth (2.68e12 B/s) and 50 % of the FLOPs (4.95e14 FLOP/s) are achieved, plus 1 ms
+    of per-step overhead. A lone decoding sequence: 1 ms + 16.06e9 / 2.68e12 = 7.0 ms, 143
+    tok/s; 64 sequences at 2k context: 1 ms + (16.06e9 + 64 x 2048 x 131072) / 2.68e12 =
+    13.4 ms, 4,770 tok/s (33x); a full 8192-token prefill chunk at the start of a prompt:
+    1 ms + (8192 x 1.606e10 + 8192 x 8193 / 2 x 524,288) / 4.95e14 = 0.30 s (compute-bound,
+    27k tok/s), slower further into a long prompt (attention grows with the context);
+  * KV blocks: 80 GB is 79.65 GiB as the driver reports it; vLLM 0.33's default
+    gpu_memory_utilization 0.92 (vllm/config/cache.py) gives 73.3 GiB, minus 14.96 GiB of
+    weights and ~4 GiB of activations, CUDA graphs and non-torch memory (assumed), leaves
+    ~54.3 GiB = 444,800 tokens = 27,800 blocks of 16;
+  * max_num_seqs 1024 and max_num_batched_tokens 8192: vLLM 0.33's OpenAI-server defaults
+    for a >= 70 GiB non-A100 GPU (vllm/engine/arg_utils.py get_batch_defaults; 2048/256
+    below 70 GiB, 16384/1024 at >= 160 GiB); max_model_len 131072 (the model's context).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .scheduler import CostModel, SchedulerConfig
+from .scheduler import PROFILES, CostModel, SchedulerConfig
 
 __all__ = ["PRESETS", "SimConfig", "DP_ROUTING"]
 
@@ -63,6 +88,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 0, got {limit}")
             if getattr(self, "profile", "vllm-0.33") == "vllm-0.11":
                 raise ValueError(f"{name} needs --profile vllm-0.33: vLLM 0.11 has no queue limits")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {tuple(PROFILES)}, got {self.profile!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         sched = self.scheduler
@@ -77,15 +104,14 @@ class SimConfig:
     def describe(self) -> str:
         """One log line with the effective settings."""
         s = self.scheduler
-        c = s.cost
         return (
+            f"profile={self.profile} "
             f"model={self.model} num_gpu_blocks={s.num_gpu_blocks} block_size={s.block_size} "
             f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={s.max_num_batched_tokens} "
             f"max_model_len={s.max_model_len} data_parallel_size={self.data_parallel_size} "
             f"dp_routing={self.dp_routing} time_scale={self.time_scale:g} "
             f"bytes_per_token={self.bytes_per_token:g} default_max_tokens={self.default_max_tokens} "
-            f"step_overhead_s={c.step_overhead_s:g} per_prefill_token_s={c.per_prefill_token_s:g} "
-            f"per_decode_seq_s={c.per_decode_seq_s:g}")
+            f"{s.cost.describe()}")
 
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -108,5 +134,21 @@ PRESETS: dict[str, dict[str, object]] = {
         "step_overhead_s": CostModel.step_overhead_s,
         "per_prefill_token_s": CostModel.per_prefill_token_s,
         "per_decode_seq_s": CostModel.per_decode_seq_s,
+    },
+    "h100-llama8b": {
+        "num_gpu_blocks": 27800,
+        "block_size": 16,
+        "max_num_seqs": 1024,
+        "max_num_batched_tokens": 8192,
+        "max_model_len": 131072,
+        "step_overhead_s": 0.001,
+        "memory_bound": {
+            "weight_bytes": 16.06e9,
+            "kv_bytes_per_token": 131072,
+            "memory_bandwidth": 0.80 * 3.35e12,
+            "flops_per_token": 2 * 8.03e9,
+            "flops_per_attention_pair": 4 * 32 * 4096,
+            "compute_flops": 0.50 * 989e12,
+        },
     },
 }

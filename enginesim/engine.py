@@ -11,8 +11,25 @@ negative. Every reported duration is therefore in unscaled engine seconds.
 
 As in vLLM, new requests wait in an input queue while a step runs and reach the scheduler
 between steps, and the published gauges are a snapshot taken after each step. While the
-engine is held (``/control/hold``) no step runs; arrivals and aborts then reach the
-scheduler and the gauges at once, so a held engine shows its queue.
+engine is held (``/control/hold``) no new step is scheduled (a step already scheduled runs
+to its end); arrivals and aborts then reach the scheduler and the gauges at once, so a held
+engine shows its queue.
+
+Two step loops, by profile:
+
+- synchronous (``vllm-0.11``; EngineCore.step): schedule a batch, run it, apply its outputs,
+  publish. A request that arrives while batch k runs joins batch k+1, the next one.
+- async scheduling (``vllm-0.33``; EngineCore.step_with_batch_queue with a batch queue of
+  2, vllm/v1/engine/core.py, and AsyncScheduler): the scheduler runs one batch ahead of the
+  GPU. When batch k starts executing, batch k+1 is scheduled at once, from the inputs
+  received so far and the outputs of batch k-1 (batch k's are not known yet: its sampled
+  tokens are output placeholders). So a request that arrives while batch k-1 runs is
+  admitted into batch k+1, and a request that finishes in batch k-1 frees its slot and
+  blocks for batch k+1: one batch later than synchronous scheduling. The outputs of batch
+  k-1 are applied, and the scheduler stats published, after batch k+1 has been scheduled,
+  so the published gauges already include the next batch (its admissions, preemptions and
+  blocks). From idle, the first two batches are scheduled back to back (the second decodes
+  the token the first will sample), as vLLM does when its batch queue is empty.
 """
 
 from __future__ import annotations
@@ -28,7 +45,7 @@ from typing import Any
 
 from .config import SimConfig
 from .metrics import EngineMetrics
-from .scheduler import Scheduler, SchedulerStats, TokenOutput
+from .scheduler import ScheduledStep, Scheduler, SchedulerStats, StepOutput, TokenOutput
 
 __all__ = ["Engine", "EngineClock", "EngineRank", "RequestHandle"]
 
@@ -83,7 +100,7 @@ class EngineRank:
     def __init__(self, index: int, engine: Engine) -> None:
         self.index = index
         self._engine = engine
-        self.scheduler = Scheduler(engine.config.scheduler)
+        self.scheduler = Scheduler(engine.config.scheduler, engine.config.profile)
         self._pending: list[RequestHandle] = []
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
@@ -173,6 +190,95 @@ class EngineRank:
     # -- the step loop --------------------------------------------------------------------
 
     async def _run(self) -> None:
+        if self.scheduler.profile.async_scheduling:
+            await self._run_async()
+        else:
+            await self._run_sync()
+
+    def _start_time(self, batch: list[RequestHandle]) -> float:
+        """Where an idle rank's next step starts: when the request that woke it arrived (or
+        the hold was released), never before the end of its last step."""
+        base = self._timeline if self._timeline is not None else self._resume_at
+        self._resume_at = None
+        candidates = [h.arrival_time for h in batch]
+        if base is not None:
+            candidates.append(base)
+        start = max(candidates) if candidates else self._engine.clock.now()
+        return max(start, self._last_end)
+
+    def _after_schedule(self, step: ScheduledStep) -> None:
+        self._note_peaks()
+        for request in self.scheduler.running:
+            handle = self._handles.get(request.request_id)
+            if handle is not None:
+                handle.state = "running"
+        for request_id in step.preempted:
+            handle = self._handles.get(request_id)
+            if handle is not None:
+                handle.state = "waiting"
+                handle.preemptions += 1
+
+    async def _execute(self, step: ScheduledStep) -> None:
+        """Wait (wall time) until ``step`` ends, then apply its outputs and publish."""
+        engine = self._engine
+        self._step_in_flight = True
+        try:
+            delay = engine.clock.wall_delay_until(step.end_time)
+            await asyncio.sleep(delay if delay >= MIN_SLEEP_S else 0)
+        finally:
+            self._step_in_flight = False
+        output = self.scheduler.complete(step)
+        self._timeline = self._last_end = step.end_time
+        self.num_steps += 1
+        engine.metrics.record_step(self.index, step, output)
+        self._publish()
+        self._deliver(output)
+
+    def _deliver(self, output: StepOutput) -> None:
+        engine = self._engine
+        for token in output.tokens:
+            handle = self._handles.get(token.request_id)
+            if handle is None:
+                continue
+            handle.tokens.put_nowait(token)
+            if token.finished:
+                handle.state = "finished"
+                handle.tokens.put_nowait(None)
+                del self._handles[token.request_id]
+                engine.record_end(handle)
+
+    async def _run_async(self) -> None:
+        """vLLM 0.33's async scheduling: see the module docstring."""
+        engine = self._engine
+        in_flight: ScheduledStep | None = None  # scheduled, executing (or next to execute)
+        while True:
+            if engine.held or not (self._pending or self.scheduler.has_unfinished):
+                if in_flight is not None:  # already scheduled: it runs to its end
+                    await self._execute(in_flight)
+                    in_flight = None
+                    continue
+                self._timeline = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch, self._pending = self._pending, []
+            for handle in batch:
+                self._admit(handle)
+            start = in_flight.end_time if in_flight is not None else self._start_time(batch)
+            step = self.scheduler.schedule(start)
+            self._after_schedule(step)
+            if in_flight is None:
+                if step.is_empty:  # cannot happen with a valid config; never spin
+                    self._timeline = None
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                in_flight = step  # the batch queue has room: schedule the next one at once
+                continue
+            await self._execute(in_flight)
+            in_flight = None if step.is_empty else step
+
+    async def _run_sync(self) -> None:
         engine = self._engine
         clock = engine.clock
         while True:

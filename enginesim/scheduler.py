@@ -1,9 +1,13 @@
-"""A pure model of the vLLM V1 (0.11) scheduler: KV blocks, token budget, preemption.
+"""A pure model of the vLLM V1 scheduler: KV blocks, token budget, preemption, and (profile
+``vllm-0.33``) the full-prompt admission check, prefix caching and async scheduling.
 
 No asyncio, no IO, no clock: every method that needs time takes it as an argument, so
 tests drive it step by step with hand-checkable numbers.
 
-The rules it reproduces (vllm/v1/core/sched/scheduler.py and kv_cache_manager.py in 0.11):
+Two engine profiles (``EngineProfile``, chosen by ``--profile``):
+
+``vllm-0.11`` reproduces vllm/v1/core/sched/scheduler.py and kv_cache_manager.py of 0.11 as
+the simulator always has (no prefix caching, synchronous scheduling):
 
 - A request has ``num_tokens = prompt_tokens + output_tokens`` and ``num_computed_tokens``
   (tokens whose KV is in the cache). Each step tries to let every request catch up:
@@ -12,7 +16,7 @@ The rules it reproduces (vllm/v1/core/sched/scheduler.py and kv_cache_manager.py
   (chunked prefill). ``num_computed_tokens`` advances when the step is scheduled.
 - A request holds ``ceil(num_computed_tokens / block_size)`` blocks. One block of the pool
   is vLLM's reserved "null block", so ``num_gpu_blocks - 1`` blocks are usable and
-  ``kv_cache_usage = used_blocks / (num_gpu_blocks - 1)`` (BlockPool.get_usage).
+  ``kv_cache_usage = 1 - free_blocks / (num_gpu_blocks - 1)`` (BlockPool.get_usage).
 - RUNNING requests are scheduled first, in admission order. When one cannot allocate the
   blocks for its tokens, the most recently admitted running request (the tail of the
   running list) is preempted: its blocks are freed, ``num_computed_tokens`` is reset to 0
@@ -26,21 +30,49 @@ The rules it reproduces (vllm/v1/core/sched/scheduler.py and kv_cache_manager.py
   token is sampled. Generated tokens survive preemption (they were already returned to
   the client); only their KV is recomputed. A request finishes when it has generated
   ``max_tokens`` tokens (the simulator behaves as if ``ignore_eos`` were set); its blocks
-  are freed. Prefix caching is not modelled.
+  are freed. A preemption is counted in the step that preempted (vLLM counts it when the
+  victim next emits; the 0.11 profile keeps the simulator's historical simplification).
 
-Step duration comes from a linear cost model (see ``CostModel``).
+``vllm-0.33`` (the default) adds what vLLM 0.33.0 does by default, read from its wheel:
+
+- Full-prompt admission check (``scheduler_reserve_full_isl=True``, vllm/config/scheduler.py,
+  default from 0.19): ``KVCacheManager.allocate_slots(..., full_sequence_must_fit=True)``
+  (vllm/v1/core/kv_cache_manager.py) admits a WAITING request only if the blocks for its
+  whole ``num_tokens`` (prompt + outputs so far, capped at max_model_len), minus its prefix
+  cache hit, fit in the FREE blocks. A check, not a reservation: nothing is set aside, and
+  the tokens it will generate are not counted. See ``Scheduler._allocate``.
+- Prefix caching (``enable_prefix_caching=True``, vllm/config/cache.py): see ``BlockPool``.
+- Async scheduling (``async_scheduling`` resolved to True, vllm/config/vllm.py;
+  vllm/v1/core/sched/async_scheduler.py, vllm/v1/engine/core.py step_with_batch_queue):
+  the scheduler runs one batch ahead of the GPU. See ``Scheduler.schedule`` (output
+  placeholders) and ``enginesim.engine`` (the pipeline and its timing).
+- Preemption counter timing: the PREEMPTED event rides on the victim's next output
+  (``EngineCoreOutput.events``, counted by IterationStats.update_from_events in
+  vllm/v1/metrics/stats.py), so ``StepOutput.num_preemptions`` counts a preemption in the
+  step whose output carries the victim's next token (never, if it is aborted first).
+
+Step duration comes from a cost model: ``CostModel`` (linear, the ``reference`` and ``small``
+presets) or ``MemoryBoundCostModel`` (weights + KV reads vs compute, the ``h100-llama8b``
+preset).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
+    "DEFAULT_PROFILE",
+    "PROFILES",
+    "BatchShape",
+    "BlockPool",
     "CostModel",
+    "EngineProfile",
     "FinishedRequestStats",
+    "MemoryBoundCostModel",
     "RequestRejected",
     "RequestStatus",
     "ScheduledStep",
@@ -50,24 +82,84 @@ __all__ = [
     "SimRequest",
     "StepOutput",
     "TokenOutput",
+    "get_profile",
 ]
+
+
+# -- engine profiles ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Which vLLM scheduler behaviours are on. ``PROFILES`` holds the two released ones;
+    tests may build others (``dataclasses.replace``) to isolate one behaviour."""
+
+    name: str
+    reserve_full_isl: bool
+    enable_prefix_caching: bool
+    async_scheduling: bool
+    count_preemption_on_next_output: bool
+
+
+PROFILES: dict[str, EngineProfile] = {
+    "vllm-0.33": EngineProfile("vllm-0.33", reserve_full_isl=True, enable_prefix_caching=True,
+                               async_scheduling=True, count_preemption_on_next_output=True),
+    "vllm-0.11": EngineProfile("vllm-0.11", reserve_full_isl=False, enable_prefix_caching=False,
+                               async_scheduling=False, count_preemption_on_next_output=False),
+}
+DEFAULT_PROFILE = "vllm-0.33"
+
+
+def get_profile(profile: str | EngineProfile) -> EngineProfile:
+    """The profile named ``profile`` (or ``profile`` itself); ValueError if unknown."""
+    if isinstance(profile, EngineProfile):
+        return profile
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise ValueError(f"profile must be one of {tuple(PROFILES)}, got {profile!r}") from None
+
+
+# -- cost models --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a step computes, as a cost model needs it.
+
+    ``kv_tokens_read``: for every scheduled request, the KV positions its attention reads
+    (everything computed before the step plus the new tokens). ``attention_pairs``: query-key
+    pairs of causal attention, ``sum over requests of sum_{j=1..new} (computed_before + j)``.
+    """
+
+    prefill_tokens: int
+    decode_seqs: int
+    kv_tokens_read: int = 0
+    attention_pairs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Engine time of one step: overhead + prefill tokens + decoding sequences.
+    """Linear: engine time of one step = overhead + prefill tokens + decoding sequences.
 
     Defaults reproduce the reference engine (``--preset reference``):
     a lone decoding sequence runs one step of ``0.020 + 0.01333 = 0.0333 s``, i.e. 30 tok/s;
     an uncontended long prefill runs steps of 2048 tokens (the token budget) costing
     ``0.020 + 2048 * 0.0019 = 3.911 s``, i.e. 2048 / 3.911 = 523.6 tok/s (~525 tok/s), so a
     65,536-token prompt takes 32 such steps, ~125 s, and its recompute after a preemption
-    costs the same again.
+    costs the same again. Every decoding sequence costs the same, so batching buys (almost)
+    no throughput: that is what ``MemoryBoundCostModel`` corrects.
     """
 
     step_overhead_s: float = 0.020
     per_prefill_token_s: float = 0.0019
     per_decode_seq_s: float = 0.01333
+
+    kind = "linear"
 
     def step_duration(self, prefill_tokens: int, decode_seqs: int) -> float:
         """Engine seconds for a step with this batch composition."""
@@ -76,6 +168,71 @@ class CostModel:
             + prefill_tokens * self.per_prefill_token_s
             + decode_seqs * self.per_decode_seq_s
         )
+
+    def duration(self, shape: BatchShape) -> float:
+        return self.step_duration(shape.prefill_tokens, shape.decode_seqs)
+
+    def describe(self) -> str:
+        return (f"cost=linear step_overhead_s={self.step_overhead_s:g} "
+                f"per_prefill_token_s={self.per_prefill_token_s:g} "
+                f"per_decode_seq_s={self.per_decode_seq_s:g}")
+
+
+@dataclass(frozen=True)
+class MemoryBoundCostModel:
+    """A roofline step cost: a step is as slow as the larger of its memory and compute time.
+
+    ``duration = step_overhead_s + max(memory_s, compute_s)`` with
+
+    - ``memory_s = (weight_bytes + kv_tokens_read * kv_bytes_per_token) / memory_bandwidth``:
+      every step reads the weights once, and every scheduled sequence reads its whole KV;
+    - ``compute_s = (tokens * flops_per_token + attention_pairs * flops_per_attention_pair)
+      / compute_flops``: 2 x parameters per token for the matmuls, plus causal attention
+      (QK^T and AV: 4 x layers x query width FLOPs per query-key pair).
+
+    Decoding is memory-bound: one sequence pays a whole weight read for one token, 64 pay it
+    once for 64 tokens, so batching multiplies throughput until the KV reads dominate (the KV
+    cache is full). Prefill chunks are compute-bound. ``memory_bandwidth`` and
+    ``compute_flops`` are achieved rates (peak x efficiency), see the ``h100-llama8b`` preset
+    in enginesim/config.py for the calibration.
+    """
+
+    weight_bytes: float
+    kv_bytes_per_token: float
+    memory_bandwidth: float  # bytes/s achieved
+    flops_per_token: float
+    flops_per_attention_pair: float
+    compute_flops: float  # FLOP/s achieved
+    step_overhead_s: float = 0.0
+
+    kind = "memory-bound"
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bytes", "kv_bytes_per_token", "memory_bandwidth", "flops_per_token",
+                     "flops_per_attention_pair", "compute_flops", "step_overhead_s"):
+            value = getattr(self, name)
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.memory_bandwidth <= 0 or self.compute_flops <= 0:
+            raise ValueError("memory_bandwidth and compute_flops must be > 0")
+
+    def memory_s(self, shape: BatchShape) -> float:
+        return (self.weight_bytes + shape.kv_tokens_read * self.kv_bytes_per_token) \
+            / self.memory_bandwidth
+
+    def compute_s(self, shape: BatchShape) -> float:
+        return (shape.num_tokens * self.flops_per_token
+                + shape.attention_pairs * self.flops_per_attention_pair) / self.compute_flops
+
+    def duration(self, shape: BatchShape) -> float:
+        return self.step_overhead_s + max(self.memory_s(shape), self.compute_s(shape))
+
+    def describe(self) -> str:
+        return (f"cost=memory-bound step_overhead_s={self.step_overhead_s:g} "
+                f"weight_bytes={self.weight_bytes:g} kv_bytes_per_token={self.kv_bytes_per_token:g} "
+                f"memory_bandwidth={self.memory_bandwidth:g} flops_per_token={self.flops_per_token:g} "
+                f"flops_per_attention_pair={self.flops_per_attention_pair:g} "
+                f"compute_flops={self.compute_flops:g}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +244,7 @@ class SchedulerConfig:
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel | MemoryBoundCostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -104,6 +261,108 @@ class SchedulerConfig:
         return self.num_gpu_blocks - 1
 
 
+# -- the block pool -----------------------------------------------------------------------
+
+
+class BlockPool:
+    """vLLM's BlockPool (vllm/v1/core/block_pool.py) with its prefix cache.
+
+    Block 0 is the null block and never handed out. Each block has a reference count and,
+    once it is full of computed tokens, a block hash (``cache_block``). The free queue holds
+    every block with no reference, in eviction order (FreeKVCacheBlockQueue):
+
+    - ``get_new_blocks`` pops from its front; a popped block that still carries a hash is
+      evicted from the cache then (``_maybe_evict_cached_block``): cached blocks stay
+      reusable until their space is actually needed;
+    - ``free_blocks`` takes a request's blocks in eviction priority order (the scheduler
+      passes them tail first) and puts blocks without a hash at the FRONT (reused first) and
+      hashed ones at the BACK, so the cache is LRU and a request's prefix blocks outlive its
+      tail blocks;
+    - ``touch`` gives a cache hit a reference, taking it out of the free queue if it was free.
+
+    ``num_free`` counts cached-but-free blocks as free, and so does ``usage``
+    (``BlockPool.get_usage``: ``1 - free / (num_gpu_blocks - 1)``): a cache full of evictable
+    blocks reads 0 %. With caching disabled (the 0.11 profile) nothing is ever hashed and the
+    pool is a plain free list.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_gpu_blocks
+        self.block_hash: list[Hashable | None] = [None] * num_gpu_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_gpu_blocks))
+        self.cached: dict[Hashable, dict[int, None]] = {}
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that carry a hash (held or free)."""
+        return sum(len(blocks) for blocks in self.cached.values())
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / (self.num_gpu_blocks - 1)
+
+    def get_cached_block(self, block_hash: Hashable) -> int | None:
+        blocks = self.cached.get(block_hash)
+        return next(iter(blocks)) if blocks else None
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free_queue[block]
+            self.ref_cnt[block] += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        if num_blocks > self.num_free:
+            raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self.free_queue.popitem(last=False)
+            self._maybe_evict(block)
+            self.ref_cnt[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def cache_block(self, block: int, block_hash: Hashable) -> None:
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        self.block_hash[block] = block_hash
+        self.cached.setdefault(block_hash, {})[block] = None
+
+    def free_blocks(self, ordered_blocks: Iterable[int]) -> None:
+        """Drop one reference from each block, first to be evicted first."""
+        evict_first: list[int] = []
+        for block in ordered_blocks:
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                if self.block_hash[block] is None:
+                    evict_first.append(block)
+                else:
+                    self.free_queue[block] = None  # back of the queue: LRU
+        for block in reversed(evict_first):
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
+
+    def _maybe_evict(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        if block_hash is None:
+            return
+        blocks = self.cached[block_hash]
+        del blocks[block]
+        if not blocks:
+            del self.cached[block_hash]
+        self.block_hash[block] = None
+        self.num_evicted += 1
+
+
+# -- requests and step records ------------------------------------------------------------
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -118,26 +377,55 @@ class RequestRejected(ValueError):
 
 @dataclass(eq=False)
 class SimRequest:
-    """One request's progress through the engine."""
+    """One request's progress through the engine.
+
+    ``prefix``: ``(key, n)`` says the first ``n`` prompt tokens are the text named ``key``, so
+    requests with the same key share those full blocks' hashes (a shared system prompt).
+    Everything else a request computes hashes to blocks of its own.
+    """
 
     request_id: str
     prompt_tokens: int
     max_tokens: int
     arrival_time: float
+    prefix: tuple[str, int] | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
-    num_blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # vLLM 0.33 bookkeeping (all stay 0 in the 0.11 profile)
+    num_output_placeholders: int = 0  # tokens sampled by a step still in flight (async)
+    num_in_flight_tokens: int = 0  # tokens scheduled in steps not completed yet
+    num_stale_output_tokens: int = 0  # in-flight tokens scheduled before a preemption
+    num_cached_blocks: int = 0  # leading blocks that carry their hash
+    unreported_preemptions: int = 0  # preemptions whose event waits for the next output
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    deferred: bool = False  # skipped by the waiting loop (vLLM's deferred_waiting)
+    serial: int = 0
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens: what the KV cache must catch up with."""
         return self.prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def block_hash(self, index: int, block_size: int) -> Hashable:
+        """The hash of full block ``index``: chained in vLLM (kv_cache_utils.hash_block_tokens),
+        so naming the chain is enough: a block inside the shared prefix is ``(key, index)``,
+        any later one belongs to this request alone."""
+        if self.prefix is not None:
+            key, length = self.prefix
+            if (index + 1) * block_size <= length:
+                return ("prefix", key, index)
+        return ("request", self.serial, index)
 
     def __repr__(self) -> str:
         return (
@@ -149,7 +437,13 @@ class SimRequest:
 
 @dataclass
 class ScheduledStep:
-    """What one call to ``schedule`` decided; ``complete`` turns it into outputs."""
+    """What one call to ``schedule`` decided; ``complete`` turns it into outputs.
+
+    ``samples``: the requests whose KV catches up with all their tokens in this step, so
+    the step samples a token for them. ``prefix_cache_queries``/``hits``: tokens looked up
+    and found in the prefix cache by this step's admissions (vLLM's PrefixCacheStats:
+    requests never preempted count in the first pair, resumed ones in ``preempted_*``).
+    """
 
     start_time: float
     duration: float
@@ -158,6 +452,13 @@ class ScheduledStep:
     decode_seqs: int
     preempted: list[str]
     admitted: list[str]
+    samples: list[str] = field(default_factory=list)
+    kv_tokens_read: int = 0
+    attention_pairs: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preempted_prefix_cache_queries: int = 0
+    preempted_prefix_cache_hits: int = 0
 
     @property
     def end_time(self) -> float:
@@ -192,11 +493,18 @@ class FinishedRequestStats:
     inference_time: float
     decode_time: float
     mean_time_per_output_token: float
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
 class StepOutput:
-    """Everything a completed step produced, including the iteration stats vLLM logs."""
+    """Everything a completed step produced, including the iteration stats vLLM logs.
+
+    ``num_preemptions``: 0.11 profile, the preemptions decided when this step was scheduled;
+    0.33 profile, the preemptions whose victim emits a token in this step's output (vLLM's
+    PREEMPTED event rides on that output).
+    """
 
     end_time: float
     tokens: list[TokenOutput] = field(default_factory=list)
@@ -210,31 +518,51 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """The scheduler gauges as vLLM publishes them."""
+    """The scheduler gauges as vLLM publishes them.
+
+    ``num_waiting_reqs`` is every waiting request (what ``vllm:num_requests_waiting`` shows);
+    ``num_deferred_waiting_reqs`` is the part of it vLLM 0.33 reports as
+    ``num_skipped_waiting_reqs`` (reason ``deferred``): a preempted request whose in-flight
+    output has not arrived yet (async scheduling). ``cached_blocks``: blocks carrying a
+    prefix-cache hash, free or held.
+    """
 
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
     used_blocks: int
+    num_deferred_waiting_reqs: int = 0
+    cached_blocks: int = 0
+
+
+# -- the scheduler ------------------------------------------------------------------------
 
 
 class Scheduler:
     """vLLM V1 FCFS scheduler over a block-granular KV cache (one DP rank)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig,
+                 profile: str | EngineProfile = DEFAULT_PROFILE) -> None:
         self.config = config
+        self.profile = get_profile(profile)
+        self.pool = BlockPool(config.num_gpu_blocks, self.profile.enable_prefix_caching)
         self._requests: dict[str, SimRequest] = {}
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
-        self.used_blocks = 0
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self._serial = 0
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks not in the free queue (cached-but-free blocks count as free)."""
+        return self.config.usable_blocks - self.pool.num_free
 
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int,
-                    arrival_time: float) -> SimRequest:
+                    arrival_time: float, prefix: tuple[str, int] | None = None) -> SimRequest:
         """Queue a request at the tail of WAITING, or raise RequestRejected."""
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -251,7 +579,11 @@ class Scheduler:
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
                 f"model's maximum context length is {max_len} tokens and your request has "
                 f"{prompt_tokens} input tokens ({max_tokens} > {max_len} - {prompt_tokens}).")
-        request = SimRequest(request_id, prompt_tokens, max_tokens, arrival_time)
+        if prefix is not None and not 0 <= prefix[1] <= prompt_tokens:
+            raise ValueError(f"prefix length must be in 0..{prompt_tokens}, got {prefix[1]}")
+        self._serial += 1
+        request = SimRequest(request_id, prompt_tokens, max_tokens, arrival_time, prefix=prefix,
+                             serial=self._serial)
         self._requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -278,29 +610,46 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def stats(self) -> SchedulerStats:
-        """Current gauges: running, waiting, KV usage (fraction of usable blocks)."""
+        """Current gauges: running, waiting, KV usage (BlockPool.get_usage)."""
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.used_blocks / self.config.usable_blocks,
+            kv_cache_usage=self.pool.usage(),
             used_blocks=self.used_blocks,
+            num_deferred_waiting_reqs=sum(1 for r in self.waiting if r.deferred),
+            cached_blocks=self.pool.num_cached if self.profile.enable_prefix_caching else 0,
         )
 
     # -- stepping -------------------------------------------------------------------------
 
     def schedule(self, now: float) -> ScheduledStep:
-        """Decide the next batch at engine time ``now`` and allocate its KV blocks."""
+        """Decide the next batch at engine time ``now`` and allocate its KV blocks.
+
+        Async scheduling (0.33; AsyncScheduler._update_after_schedule): a request whose
+        step will sample a token gets an output placeholder, so the NEXT ``schedule`` can
+        already give it its next decode token although that step has not completed;
+        ``num_tokens + placeholders - num_computed_tokens`` is what it still needs. A
+        request whose in-flight token is its last (``outputs + placeholders >= max_tokens``)
+        is not scheduled again, but keeps its slot and blocks until that output arrives.
+        """
         cfg = self.config
+        prof = self.profile
         budget = cfg.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         decoding: set[str] = set()
         preempted: list[SimRequest] = []
         admitted: list[str] = []
+        step = ScheduledStep(start_time=now, duration=0.0, num_scheduled_tokens=scheduled,
+                             prefill_tokens=0, decode_seqs=0, preempted=[], admitted=admitted)
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+            ahead = request.num_output_placeholders
+            if request.num_output_tokens + ahead >= request.max_tokens:
+                index += 1  # its last token is in flight
+                continue
+            num_new = min(request.num_tokens + ahead - request.num_computed_tokens, budget,
                           cfg.max_model_len - 1 - request.num_computed_tokens)
             if num_new <= 0:
                 index += 1
@@ -315,59 +664,105 @@ class Scheduler:
                     break
             if not can_schedule:
                 break
-            if request.num_output_tokens > 0 and num_new == 1 and (
-                    request.num_computed_tokens == request.num_tokens - 1):
+            if request.num_output_tokens + ahead > 0 and num_new == 1 and (
+                    request.num_computed_tokens == request.num_tokens + ahead - 1):
                 decoding.add(request.request_id)
             scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
 
         if not preempted:
+            skipped: list[SimRequest] = []
             while self.waiting and budget > 0:
                 if len(self.running) >= cfg.max_num_seqs:
                     break
                 request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self._allocate(request, num_new):
+                if request.num_stale_output_tokens > 0:
+                    # vLLM 0.33: its in-flight output is still to be delivered; resuming now
+                    # could resample that position. Skipped (deferred) for this pass.
+                    request.deferred = True
+                    skipped.append(self.waiting.popleft())
+                    continue
+                hit = self._find_cache_hit(request) if prof.enable_prefix_caching else []
+                num_computed = len(hit) * cfg.block_size
+                num_new = min(request.num_tokens - num_computed, budget)
+                if not self._allocate(request, num_new, hit,
+                                      full_sequence_must_fit=prof.reserve_full_isl):
                     break
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
+                request.deferred = False
+                request.num_computed_tokens = num_computed
+                request.num_cached_blocks = len(hit)
+                if prof.enable_prefix_caching:
+                    request.num_cached_tokens = num_computed
+                    if request.num_preemptions > 0:
+                        step.preempted_prefix_cache_queries += request.num_tokens
+                        step.preempted_prefix_cache_hits += num_computed
+                    else:
+                        step.prefix_cache_queries += request.num_tokens
+                        step.prefix_cache_hits += num_computed
                 if request.first_scheduled_time is None:
                     # vLLM ignores re-scheduling after a preemption for queue/prefill times.
                     request.first_scheduled_time = now
                 admitted.append(request.request_id)
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
 
         for request_id, num_new in scheduled.items():
-            self._requests[request_id].num_computed_tokens += num_new
+            request = self._requests[request_id]
+            before = request.num_computed_tokens
+            step.kv_tokens_read += before + num_new
+            step.attention_pairs += num_new * before + num_new * (num_new + 1) // 2
+            request.num_computed_tokens += num_new
+            request.num_in_flight_tokens += num_new
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                step.samples.append(request_id)
+                if prof.async_scheduling:
+                    request.num_output_placeholders += 1
+            if prof.enable_prefix_caching:
+                self._cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
 
-        prefill_tokens = sum(n for rid, n in scheduled.items() if rid not in decoding)
-        decode_seqs = len(decoding)
-        duration = cfg.cost.step_duration(prefill_tokens, decode_seqs) if scheduled else 0.0
-        return ScheduledStep(
-            start_time=now,
-            duration=duration,
-            num_scheduled_tokens=scheduled,
-            prefill_tokens=prefill_tokens,
-            decode_seqs=decode_seqs,
-            preempted=[r.request_id for r in preempted],
-            admitted=admitted,
-        )
+        step.prefill_tokens = sum(n for rid, n in scheduled.items() if rid not in decoding)
+        step.decode_seqs = len(decoding)
+        step.preempted = [r.request_id for r in preempted]
+        if scheduled:
+            step.duration = cfg.cost.duration(BatchShape(
+                step.prefill_tokens, step.decode_seqs, step.kv_tokens_read, step.attention_pairs))
+        return step
 
     def complete(self, step: ScheduledStep, end_time: float | None = None) -> StepOutput:
-        """Apply the model's outputs for ``step``: sample tokens, finish, free blocks."""
+        """Apply the model's outputs for ``step``: sample tokens, finish, free blocks.
+
+        0.33 (Scheduler.update_from_output): a request preempted while this step was in
+        flight still receives the token the step sampled for it ("stale" output: delivered,
+        counted, but it does not touch the reset counters), and may finish with it while
+        waiting.
+        """
         end = step.end_time if end_time is None else end_time
-        output = StepOutput(end_time=end, num_preemptions=len(step.preempted))
+        prof = self.profile
+        output = StepOutput(end_time=end)
         self.num_preemptions += len(step.preempted)
-        for request_id in step.num_scheduled_tokens:
+        if not prof.count_preemption_on_next_output:
+            output.num_preemptions = len(step.preempted)
+        samples = set(step.samples)
+        for request_id, num_new in step.num_scheduled_tokens.items():
             request = self._requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted (or preempted by a later schedule) while the step ran
-            if request.num_computed_tokens < request.num_tokens:
+            if request is None:
+                continue  # aborted (or finished) while the step ran
+            request.num_in_flight_tokens -= num_new
+            stale = request.num_stale_output_tokens > 0
+            if stale:
+                request.num_stale_output_tokens -= num_new
+            if request_id not in samples:
                 continue  # a partial prefill chunk: nothing is sampled yet
+            if not stale and request.status is not RequestStatus.RUNNING:
+                continue  # preempted by a later schedule (synchronous scheduling)
             request.num_output_tokens += 1
+            if not stale and request.num_output_placeholders > 0:
+                request.num_output_placeholders -= 1
             output.num_generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = end
@@ -377,14 +772,25 @@ class Scheduler:
                 assert request.last_token_time is not None
                 output.inter_token_latencies.append(end - request.last_token_time)
             request.last_token_time = end
+            if prof.count_preemption_on_next_output and request.unreported_preemptions:
+                output.num_preemptions += request.unreported_preemptions
+                request.unreported_preemptions = 0
             finished = request.num_output_tokens >= request.max_tokens
             output.tokens.append(TokenOutput(request_id, request.num_output_tokens - 1, finished))
             if finished:
                 output.finished.append(self._finish(request, end))
+            elif prof.enable_prefix_caching and request.status is RequestStatus.RUNNING:
+                self._cache_blocks(request, min(
+                    request.num_computed_tokens - request.num_in_flight_tokens,
+                    request.num_tokens))
         return output
 
     def step(self, now: float) -> tuple[ScheduledStep, StepOutput]:
-        """Schedule and complete one step at once (for tests and offline runs)."""
+        """Schedule and complete one step at once (for tests and offline runs).
+
+        Nothing is in flight when the next step is scheduled, so this is synchronous
+        scheduling whatever the profile; ``enginesim.engine`` runs the async pipeline.
+        """
         scheduled = self.schedule(now)
         return scheduled, self.complete(scheduled)
 
@@ -393,28 +799,87 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return math.ceil(min(num_tokens, self.config.max_model_len) / self.config.block_size)
 
-    def _allocate(self, request: SimRequest, num_new_tokens: int) -> bool:
-        needed = self._blocks_for(request.num_computed_tokens + num_new_tokens) - request.num_blocks
-        if needed > self.config.usable_blocks - self.used_blocks:
+    def _find_cache_hit(self, request: SimRequest) -> list[int]:
+        """KVCacheManager.get_computed_blocks: the longest run of cached FULL blocks from the
+        start of the request's tokens, at most ``num_tokens - 1`` tokens (the last token is
+        always recomputed to get its logits)."""
+        hit: list[int] = []
+        for index in range((request.num_tokens - 1) // self.config.block_size):
+            block = self.pool.get_cached_block(request.block_hash(index, self.config.block_size))
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def _num_blocks_to_allocate(self, request: SimRequest, num_tokens: int,
+                                hit: list[int]) -> int:
+        """SingleTypeKVCacheManager.get_num_blocks_to_allocate: new blocks, plus cache hits
+        that are free (touching them takes them out of the free queue)."""
+        new = max(self._blocks_for(num_tokens) - len(hit) - request.num_blocks, 0)
+        return new + sum(1 for block in hit if self.pool.ref_cnt[block] == 0)
+
+    def _allocate(self, request: SimRequest, num_new_tokens: int, hit: list[int] | None = None,
+                  full_sequence_must_fit: bool = False) -> bool:
+        """KVCacheManager.allocate_slots: False (allocating nothing) if the blocks do not fit.
+
+        ``full_sequence_must_fit`` (0.33, waiting requests): first fail unless the blocks for
+        the request's whole ``num_tokens`` fit in the free blocks.
+        """
+        hit = hit or []
+        if full_sequence_must_fit:
+            full = self._num_blocks_to_allocate(request, request.num_tokens, hit)
+            if full > self.pool.num_free:
+                return False
+        total = request.num_computed_tokens + len(hit) * self.config.block_size + num_new_tokens
+        if self._num_blocks_to_allocate(request, total, hit) > self.pool.num_free:
             return False
-        if needed > 0:
-            request.num_blocks += needed
-            self.used_blocks += needed
+        if hit:
+            self.pool.touch(hit)
+            request.block_ids.extend(hit)
+        new = self._blocks_for(total) - request.num_blocks
+        if new > 0:
+            request.block_ids.extend(self.pool.get_new_blocks(new))
         return True
 
+    def _cache_blocks(self, request: SimRequest, num_tokens: int) -> None:
+        """KVCacheManager.cache_blocks: hash the request's blocks that are now full of
+        known, computed tokens."""
+        full = min(num_tokens // self.config.block_size, request.num_blocks)
+        for index in range(request.num_cached_blocks, full):
+            self.pool.cache_block(request.block_ids[index],
+                                  request.block_hash(index, self.config.block_size))
+        request.num_cached_blocks = max(request.num_cached_blocks, full)
+
     def _free(self, request: SimRequest) -> None:
-        self.used_blocks -= request.num_blocks
-        request.num_blocks = 0
+        # KVCacheManager.free: in reverse order, so the tail blocks are evicted first.
+        self.pool.free_blocks(reversed(request.block_ids))
+        request.block_ids = []
+        request.num_cached_blocks = 0
 
     def _preempt(self, request: SimRequest) -> None:
+        """Scheduler._preempt_request: free, reset to zero, front of the waiting queue.
+
+        0.33: tokens still in flight become stale output (delivered when their step
+        completes), the placeholders are dropped, and the PREEMPTED event waits for the
+        request's next output. The freed blocks keep their hashes (prefix caching), so a
+        resumed request recomputes only what was evicted meanwhile.
+        """
         self._free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        if self.profile.async_scheduling:
+            request.num_stale_output_tokens = request.num_in_flight_tokens
+            request.num_output_placeholders = 0
+        if self.profile.count_preemption_on_next_output:
+            request.unreported_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
     def _finish(self, request: SimRequest, now: float) -> FinishedRequestStats:
-        self.running.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:  # finished by a stale output while waiting (0.33)
+            self.waiting.remove(request)
         self._free(request)
         request.status = RequestStatus.FINISHED
         request.finished_time = now
@@ -436,4 +901,6 @@ class Scheduler:
             inference_time=request.last_token_time - request.first_scheduled_time,
             decode_time=decode_time,
             mean_time_per_output_token=decode_time / (generated - 1) if generated > 1 else 0.0,
+            num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )

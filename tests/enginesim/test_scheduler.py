@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginesim.scheduler import (
+    DEFAULT_PROFILE,
     CostModel,
     RequestRejected,
     RequestStatus,
@@ -20,10 +21,10 @@ UNIT_COST = CostModel(step_overhead_s=1.0, per_prefill_token_s=0.1, per_decode_s
 
 
 def make(num_gpu_blocks: int = 101, block_size: int = 4, max_num_seqs: int = 4,
-         budget: int = 8, max_model_len: int = 64) -> Scheduler:
+         budget: int = 8, max_model_len: int = 64, profile: str = DEFAULT_PROFILE) -> Scheduler:
     return Scheduler(SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=block_size,
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_model_len, cost=UNIT_COST))
+                                     max_model_len=max_model_len, cost=UNIT_COST), profile)
 
 
 def run_to_completion(sched: Scheduler, now: float = 0.0, max_steps: int = 10_000) -> float:
@@ -119,16 +120,18 @@ def test_blocks_follow_computed_tokens():
     assert sched.used_blocks == 0
 
 
-def two_full_requests() -> Scheduler:
+def two_full_requests(profile: str = DEFAULT_PROFILE) -> Scheduler:
     """4 usable blocks of 4 tokens, filled by two 6-token prompts (2 blocks each)."""
-    sched = make(num_gpu_blocks=5, block_size=4, budget=16, max_model_len=16)
+    sched = make(num_gpu_blocks=5, block_size=4, budget=16, max_model_len=16, profile=profile)
     sched.add_request("a", prompt_tokens=6, max_tokens=10, arrival_time=0.0)
     sched.add_request("b", prompt_tokens=6, max_tokens=10, arrival_time=0.0)
     return sched
 
 
 def test_running_request_that_cannot_grow_preempts_the_most_recently_admitted():
-    sched = two_full_requests()
+    # 0.11: the step that preempts counts the preemption (0.33 counts it at the victim's next
+    # token: test_profile_033.py).
+    sched = two_full_requests("vllm-0.11")
     now = 0.0
     for _ in range(3):  # prefill, then two decodes fill the 8 slots of each request
         step, _ = sched.step(now)
@@ -148,7 +151,8 @@ def test_running_request_that_cannot_grow_preempts_the_most_recently_admitted():
 
 
 def test_preempted_request_recomputes_prompt_and_generated_tokens_from_zero():
-    sched = two_full_requests()
+    # 0.11 has no prefix cache (0.33 recomputes only what was evicted: test_profile_033.py).
+    sched = two_full_requests("vllm-0.11")
     now = 0.0
     b = sched.get("b")
     while b.status is not RequestStatus.RUNNING or b.num_preemptions == 0:
@@ -311,6 +315,7 @@ operation = st.one_of(
 )
 
 
+@pytest.mark.parametrize("profile", ["vllm-0.11", "vllm-0.33"])
 @settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(operation, max_size=80),
@@ -319,13 +324,13 @@ operation = st.one_of(
     max_num_seqs=st.integers(1, 5),
     budget=st.integers(1, 48),
 )
-def test_random_workloads_respect_limits_and_drain(ops, num_gpu_blocks, block_size,
+def test_random_workloads_respect_limits_and_drain(profile, ops, num_gpu_blocks, block_size,
                                                    max_num_seqs, budget):
     max_model_len = min(52, (num_gpu_blocks - 1) * block_size)
     sched = Scheduler(SchedulerConfig(num_gpu_blocks=num_gpu_blocks, block_size=block_size,
                                       max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=budget,
-                                      max_model_len=max_model_len, cost=UNIT_COST))
+                                      max_model_len=max_model_len, cost=UNIT_COST), profile)
     added: list[str] = []
     now = 0.0
 
