@@ -94,3 +94,32 @@ def test_process_binds_port_zero_reports_it_and_stops_on_sigterm():
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_profile_defaults_to_vllm_033_and_reaches_the_config():
+    parser = build_parser()
+    assert config_from_args(parser.parse_args([])).profile == "vllm-0.33"
+    assert config_from_args(parser.parse_args(["--profile", "vllm-0.11"])).profile == "vllm-0.11"
+
+
+def test_unknown_profile_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--profile", "vllm-0.20"])
+    assert info.value.code == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_help_teaches_what_each_profile_does(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: vllm-0.33)" in out
+    for phrase in ("whole prompt", "prefix caching", "async scheduling", "h100-llama8b"):
+        assert phrase in out
+
+
+def test_linear_cost_flags_are_refused_with_the_memory_bound_preset(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--preset", "h100-llama8b", "--per-decode-seq-s", "0.01"])
+    assert info.value.code == 2
+    assert "--per-decode-seq-s applies to the linear cost model" in capsys.readouterr().err

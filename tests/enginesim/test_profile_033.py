@@ -383,3 +383,40 @@ def test_profiles_differ_only_in_the_documented_switches():
     assert dataclasses.replace(V011, name="vllm-0.33", reserve_full_isl=True,
                                enable_prefix_caching=True, async_scheduling=True,
                                count_preemption_on_next_output=True) == V033
+
+
+def pipeline_admission_batch(profile: str) -> tuple[int, int]:
+    """Drive the scheduler as enginesim.engine does: synchronous, each batch completes
+    before the next is scheduled; async, batch k+1 is scheduled while batch k is in flight,
+    and batch k's outputs are applied after that.
+
+    Two slots. "c" decodes throughout; "a" (prompt 4, 2 tokens) finishes early; "b" waits
+    for a slot. Returns (batch in which a's last token is sampled, batch that admits b)."""
+    sched = make(profile, num_gpu_blocks=41, max_num_seqs=2, max_model_len=40)
+    sched.add_request("c", prompt_tokens=4, max_tokens=30, arrival_time=0.0)
+    sched.add_request("a", prompt_tokens=4, max_tokens=2, arrival_time=0.0)
+    sched.add_request("b", prompt_tokens=4, max_tokens=1, arrival_time=0.0)
+    async_ = sched.profile.async_scheduling
+    in_flight = None
+    now = 0.0
+    a_last = b_admitted = None
+    for batch in range(1, 20):
+        step = sched.schedule(now)
+        now = step.end_time
+        if "b" in step.admitted:
+            b_admitted = batch
+            break
+        if async_:
+            done, in_flight = in_flight, step
+        else:
+            done = step
+        if done is not None:
+            out = sched.complete(done)
+            if any(t.request_id == "a" and t.finished for t in out.tokens):
+                a_last = batch if not async_ else batch - 1
+    return a_last, b_admitted
+
+
+def test_async_a_freed_slot_joins_one_batch_later():
+    assert pipeline_admission_batch("vllm-0.11") == (2, 3)
+    assert pipeline_admission_batch("vllm-0.33") == (2, 4)
