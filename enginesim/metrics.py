@@ -118,11 +118,13 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-def cache_config_labels(config: SchedulerConfig) -> dict[str, str]:
+def cache_config_labels(config: SchedulerConfig, num_engines: int = 1) -> dict[str, str]:
     """vLLM 0.11 CacheConfig.metrics_info(): every field, stringified, in field order.
 
     Values are those of a default ``vllm serve`` except the geometry, and
     ``enable_prefix_caching`` which is False because the simulator has no prefix cache.
+    ``num_gpu_blocks`` is the API server's CacheConfig after the engines' ready messages: their
+    SUM over DP ranks (0.11 v1/engine/utils.py), written on every rank's line as in 0.33.
     """
     return {
         "block_size": str(config.block_size),
@@ -140,7 +142,7 @@ def cache_config_labels(config: SchedulerConfig) -> dict[str, str]:
         "mamba_page_size_padded": "None",
         "mamba_cache_dtype": "auto",
         "mamba_ssm_cache_dtype": "auto",
-        "num_gpu_blocks": str(config.num_gpu_blocks),
+        "num_gpu_blocks": str(config.num_gpu_blocks * num_engines),
         "num_cpu_blocks": "None",
         "kv_sharing_fast_prefill": "False",
         "kv_cache_memory_bytes": "None",
@@ -396,7 +398,7 @@ class EngineMetrics:
                 "(excluding cached tokens).", len_buckets)
 
         info_labels = (cache_config_labels_033(config, len(self.engine_indexes)) if v033
-                       else cache_config_labels(config))
+                       else cache_config_labels(config, len(self.engine_indexes)))
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      list(info_labels) + ["engine"], registry=reg)
         for idx in self.engine_indexes:

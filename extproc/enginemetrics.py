@@ -8,7 +8,11 @@ the lines of the families we read, and only those are parsed. Facts relied on (D
 - `vllm:kv_cache_usage_perc` is a FRACTION 0..1 despite its name (before vLLM 0.11:
   `vllm:gpu_cache_usage_perc`): the max over ranks is what decides admission.
 - `vllm:cache_config_info` has value 1 and carries `num_gpu_blocks` and `block_size` as labels;
-  capacity in tokens is their product, summed over ranks. Other labels vary by version.
+  capacity in tokens is their product. With data parallelism the API server SUMS the ranks'
+  blocks into its one CacheConfig and writes that total on every rank's line (0.11
+  v1/engine/utils.py, 0.33 v1/engine/core_client.py `_apply_ready_response`; loggers.py
+  `log_metrics_info`), so it is read from one line, never summed again (that counted an N-rank
+  engine N times). Other labels vary by version.
 
 A document is trusted only if it parses COMPLETELY (anything less raises MetricsFormatError, which
 the observer counts as a failed poll, reason `unparsable`, and the last good state is kept):
@@ -84,7 +88,7 @@ def parse_engine_metrics(text: str, *, expect_capacity: bool = False) -> EngineG
                 elif sample.name == CACHE_CONFIG:
                     blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
                     if blocks and size and blocks.isdigit() and size.isdigit():
-                        capacity += int(blocks) * int(size)
+                        capacity = max(capacity, int(blocks) * int(size))  # the same total on every rank
                         capacity_known = True
                         block_size = int(size)
                         if "engine" in sample.labels:

@@ -380,8 +380,9 @@ async def test_reset_clears_requests_counters_pins_and_modes(sim):
         await client.completions.create(model="sim-model", prompt="hi", max_tokens=1)
 
 
-async def test_data_parallel_ranks_have_their_own_series_and_share_requests(make_sim):
-    sim = await make_sim(data_parallel_size=2)
+@pytest.mark.parametrize("profile", ["vllm-0.33", "vllm-0.11"])
+async def test_data_parallel_ranks_have_their_own_series_and_share_requests(make_sim, profile):
+    sim = await make_sim(data_parallel_size=2, profile=profile)
     async with client_for(sim) as client:
         await asyncio.gather(*[
             client.completions.create(model="sim-model", prompt="abcd", max_tokens=2)
@@ -390,6 +391,8 @@ async def test_data_parallel_ranks_have_their_own_series_and_share_requests(make
     fams = families(text)
     infos = fams["vllm:cache_config_info"].samples
     assert sorted(s.labels["engine"] for s in infos) == ["0", "1"]
+    # vLLM's API server sums the ranks' blocks and writes that total on every rank's line.
+    assert {s.labels["num_gpu_blocks"] for s in infos} == {str(2 * 512)}
     running = fams["vllm:num_requests_running"].samples
     assert sorted(s.labels["engine"] for s in running) == ["0", "1"]
     for engine in ("0", "1"):

@@ -34,8 +34,9 @@ def test_sums_counts_and_takes_max_kv_over_data_parallel_ranks() -> None:
     assert (gauges.running, gauges.waiting, gauges.kv_usage, gauges.ranks) == (4, 2, 0.75, 2)
 
 
-def test_capacity_is_blocks_times_block_size_summed_over_ranks() -> None:
-    assert parse_engine_metrics(EXPOSITION).capacity_tokens == 2 * 9527 * 16
+def test_capacity_is_the_total_every_rank_reports_not_a_sum_over_ranks() -> None:
+    # vLLM's API server sums the ranks' blocks and writes that total on each rank's line.
+    assert parse_engine_metrics(EXPOSITION).capacity_tokens == 9527 * 16
 
 
 def test_capacity_is_unknown_without_cache_config_info() -> None:
@@ -107,7 +108,7 @@ def test_a_gauge_missing_for_one_rank_is_rejected() -> None:
 
 def test_a_capacity_change_is_taken() -> None:
     text = EXPOSITION.replace('num_gpu_blocks="9527"', 'num_gpu_blocks="4000"')
-    assert parse_engine_metrics(text, expect_capacity=True).capacity_tokens == 2 * 4000 * 16
+    assert parse_engine_metrics(text, expect_capacity=True).capacity_tokens == 4000 * 16
 
 
 @pytest.mark.parametrize(
