@@ -353,7 +353,7 @@ class Engine:
 
     def _new_state(self) -> None:
         self.metrics = EngineMetrics(self.config.model, self.config.scheduler,
-                                     range(self.config.data_parallel_size))
+                                     range(self.config.data_parallel_size), profile=self.config.profile)
         self.ranks = [EngineRank(i, self) for i in range(self.config.data_parallel_size)]
         self.arrivals: list[dict[str, Any]] = []
         self.requests: list[RequestHandle] = []

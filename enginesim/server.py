@@ -43,7 +43,6 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from . import protocol
 from .config import SimConfig
 from .engine import Engine, RequestHandle
-from .metrics import EngineMetrics
 
 __all__ = ["METRICS_CONTENT_TYPE", "METRICS_MODES", "QueueLimits", "create_app", "create_runner"]
 
@@ -421,7 +420,6 @@ class ControlApi:
 
     async def reset(self, request: web.Request) -> web.Response:
         await self.engine.reset()
-        _sync_metrics_profile(self.engine, self._app[CONFIG_KEY])
         self.state["metrics_mode"] = "ok"
         return _json({"reset": True})
 
@@ -479,21 +477,11 @@ _BROKEN_DOCUMENTS = {
 }
 
 
-def _sync_metrics_profile(engine: Engine, config: SimConfig) -> None:
-    """Give the engine the metrics of ``config.profile`` if it built them for another one
-    (an Engine that does not pass the profile to EngineMetrics); otherwise a no-op."""
-    metrics = engine.metrics
-    if metrics.profile != config.profile:
-        engine.metrics = EngineMetrics(config.model, config.scheduler,
-                                       range(config.data_parallel_size), profile=config.profile)
-
-
 def create_app(config: SimConfig, engine: Engine | None = None) -> web.Application:
     """The simulator's aiohttp application; the engine starts and stops with it."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = engine if engine is not None else Engine(config)
-    _sync_metrics_profile(app[ENGINE_KEY], config)
     app[STATE_KEY] = {"metrics_mode": "ok", "shutdown": asyncio.Event()}
     app[LIMITS_KEY] = QueueLimits(config.max_num_queued_reqs, config.max_num_queued_tokens,
                                   lambda: app[ENGINE_KEY].metrics)
