@@ -48,7 +48,9 @@ from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
 
 from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, build_requests, prompt_content
 
-MODES = ("none", "reference", "full")
+MODES = ("none", "vllm-builtin", "reference", "full")
+GATED_MODES = ("reference", "full")  # the modes with an admission service
+ENGINES = ("vllm-0.33", "vllm-0.11")  # the simulator's profiles (enginesim --profile)
 DEFAULT_TIME_SCALE = 20.0
 SAMPLE_INTERVAL_S = 0.02  # wall seconds between /control/state samples
 CLIENT_TIMEOUT_S = 900.0  # wall seconds; the openai client's per-request timeout
@@ -64,6 +66,7 @@ REFERENCE_ENV = {"ADMISSION_LOCAL_ACCOUNTING": "false", "ADMISSION_KV_BUDGET": "
 class BenchConfig:
     scenario: str
     mode: str
+    engine: str = ENGINES[0]  # the vLLM version the simulator behaves as
     replicas: int = 1
     shared: bool = False  # the replicas' Envoys share ONE admission service (one ledger)
     time_scale: float = DEFAULT_TIME_SCALE
@@ -79,6 +82,28 @@ class BenchConfig:
     sim_args: tuple[str, ...] = ()  # extra enginesim flags, after the preset
     workdir: Path | None = None
     progress: bool = True
+
+    @property
+    def deadline(self) -> float | None:
+        """Engine seconds after which a client gives up, or None."""
+        return self.shape.deadline if self.shape.deadline is not None else self.scenario_def.deadline
+
+    @property
+    def gated(self) -> bool:
+        return self.mode in GATED_MODES
+
+    @property
+    def scenario_def(self) -> Any:
+        return SCENARIOS[self.scenario]
+
+    def engine_args(self) -> list[str]:
+        """The simulator's flags: the scenario's preset, the profile, the clock, and vllm-builtin's
+        queue limit (what the gate holds: max in-flight + one engine queue slot + the park)."""
+        args = ["--preset", self.scenario_def.preset, "--profile", self.engine,
+                "--time-scale", f"{self.time_scale:g}", "--log-level", "WARNING"]
+        if self.mode == "vllm-builtin":
+            args += ["--max-num-queued-reqs", str(self.max_inflight + 1 + self.queue_depth)]
+        return [*args, *self.sim_args]
 
     @property
     def concurrency(self) -> int | None:
@@ -113,7 +138,7 @@ class RequestRecord:
     first_token: float | None = None
     finished: float | None = None
     tokens: int = 0
-    outcome: str = "pending"  # completed, rejected, incomplete
+    outcome: str = "pending"  # completed, rejected, incomplete, gave_up (the client's deadline passed)
     reason: str | None = None
 
     @property
@@ -160,10 +185,9 @@ class Deployment:
     """One enginesim behind N Envoys (each with its own admission service unless mode is none)."""
 
     def __init__(self, cfg: BenchConfig, workdir: Path) -> None:
-        gated = cfg.mode != "none"
+        gated = cfg.gated
         env = cfg.service_env()
-        sim_args = ["--preset", "reference", "--time-scale", f"{cfg.time_scale:g}", "--log-level", "WARNING",
-                    *cfg.sim_args]
+        sim_args = cfg.engine_args()
         # The reference gate had no bound on the engine cluster: reproduce it as it shipped.
         self._envoy_args = {"bound_engines": False} if cfg.mode == "reference" else {}
         first = LocalStack(workdir / "replica0", sim_args=sim_args, extproc_env=env, with_extproc=gated,
@@ -186,7 +210,7 @@ class Deployment:
                                with_extproc=self._gated, shared_extproc=shared, envoy_args=self._envoy_args)
             self.stacks.append(stack)
             stack.start()
-        if self._cfg.mode != "none":
+        if self._cfg.gated:
             for stack in self.stacks:  # before the first good poll the service fails open
                 wait_until(lambda s=stack: _engine_fresh(s), 30.0, f"first good poll at {stack.admin_url}")
 
@@ -255,9 +279,20 @@ def _rejection_reason(exc: openai.APIStatusError) -> str:
     return f"http_{exc.status_code}"
 
 
-async def _send(client: openai.AsyncOpenAI, record: RequestRecord, content: str) -> None:
+async def _send(client: openai.AsyncOpenAI, record: RequestRecord, content: str, deadline: float | None = None) -> None:
+    """One streamed request; with a `deadline` (wall seconds) the client gives up and disconnects."""
     loop = asyncio.get_running_loop()
     record.sent = loop.time()
+    try:
+        async with asyncio.timeout(deadline):
+            await _stream(client, record, content)
+    except TimeoutError:
+        record.finished = loop.time()
+        record.outcome, record.reason = "gave_up", "deadline"
+
+
+async def _stream(client: openai.AsyncOpenAI, record: RequestRecord, content: str) -> None:
+    loop = asyncio.get_running_loop()
     try:
         stream = await client.chat.completions.create(
             model=SIM_MODEL,
@@ -288,13 +323,14 @@ async def _send(client: openai.AsyncOpenAI, record: RequestRecord, content: str)
 def _progress_line(t: float, k: float, records: list[RequestRecord], total: int, sampler: EngineSampler) -> str:
     counts = Counter(r.outcome for r in records)
     sent = sum(1 for r in records if r.sent is not None)
-    inflight = sent - counts["completed"] - counts["rejected"] - counts["incomplete"]
+    inflight = sent - counts["completed"] - counts["rejected"] - counts["incomplete"] - counts["gave_up"]
     state = sampler.last
     engine = (f" | engine running {state['running']} waiting {state['waiting']} kv {state['kv_usage']:.2f} "
               f"preempted {state['num_preemptions']}") if state else ""
     return (f"  {t:6.1f}s wall ({t * k:7.0f}s engine)  sent {sent}/{total}  completed {counts['completed']}  "
             f"rejected {counts['rejected']}  in-flight {inflight}"
-            + (f"  incomplete {counts['incomplete']}" if counts["incomplete"] else "") + engine)
+            + (f"  incomplete {counts['incomplete']}" if counts["incomplete"] else "")
+            + (f"  gave up {counts['gave_up']}" if counts["gave_up"] else "") + engine)
 
 
 async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpec], seed: int) -> dict[str, Any]:
@@ -305,6 +341,7 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
         for stack in deployment.stacks
     ]
     records = [RequestRecord(spec, spec.index % len(clients)) for spec in specs]
+    deadline = cfg.deadline / k if cfg.deadline is not None else None
     contents = {spec.index: prompt_content(spec, seed) for spec in specs}
     sampler = EngineSampler(deployment.engine_url)
     stop = asyncio.Event()
@@ -324,11 +361,11 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             delay = t0 + record.spec.at / k - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await _send(clients[record.replica], record, contents[record.spec.index])
+            await _send(clients[record.replica], record, contents[record.spec.index], deadline)
 
         async def client_loop(queue: Iterator[RequestRecord]) -> None:
             for record in queue:  # closed loop: the next request as soon as this one ends
-                await _send(clients[record.replica], record, contents[record.spec.index])
+                await _send(clients[record.replica], record, contents[record.spec.index], deadline)
 
         for client in clients:  # connections and the client's lazy set-up, before the clock starts
             await client.models.list()
@@ -436,19 +473,28 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
     ends = [r.finished for r in records if r.finished is not None]
     starts = [r.sent for r in records if r.sent is not None]
     held_s, free_s = work_conservation(records, run["arrivals"], run["occupancy"])
+    answered_no = [(r.finished - r.sent) * k for r in records
+                   if r.outcome == "rejected" and r.finished is not None and r.sent is not None]
     makespan = (max(ends) - min(starts)) * k if ends and starts else None
     completed = sum(1 for r in records if r.outcome == "completed")
     result: dict[str, Any] = {
         "scenario": cfg.scenario,
         "mode": cfg.mode,
         "replicas": cfg.replicas,
-        "shape": "shared" if cfg.shared and cfg.mode != "none" and cfg.replicas > 1 else "sidecar",
+        "shape": "shared" if cfg.shared and cfg.gated and cfg.replicas > 1 else "sidecar",
+        "engine": cfg.engine,
         "time_scale": k,
         "seed": seed,
         "requests": len(records),
         "completed": completed,
         "rejected": dict(sorted(rejected.items())),
         "incomplete": dict(sorted(incomplete.items())),
+        "gave_up": sum(1 for r in records if r.outcome == "gave_up"),
+        # completed (within the deadline, where the scenario has one) / sent
+        "goodput": round(completed / len(records), 4) if records else None,
+        # engine seconds from send to the answer, for requests turned away (503 and the like)
+        "rejected_answer_p50": _r(percentile(answered_no, 0.50), 3),
+        "rejected_answer_p95": _r(percentile(answered_no, 0.95), 3),
         "requests_by_class": {name: len(group) for name, group in by_class.items()},
         "completed_by_class": {name: sum(1 for r in group if r.outcome == "completed") for name, group in by_class.items()},
         "parked": gateway["parked"] if gateway else 0,
@@ -501,7 +547,7 @@ def _fmt(value: float | None, width: int = 8) -> str:
 
 def render_run(result: dict[str, Any]) -> str:
     lines = [
-        f"scenario {result['scenario']}  mode {result['mode']}  replicas {result['replicas']}  "
+        f"scenario {result['scenario']}  engine {result['engine']}  mode {result['mode']}  replicas {result['replicas']}  "
         f"time scale {result['time_scale']:g}  seed {result['seed']}",
         "times in engine seconds",
         f"{'class':<7}{'sent':>6}{'done':>6}{'ttft p50':>10}{'ttft p95':>10}{'e2e p50':>10}{'e2e p95':>10}",
@@ -512,11 +558,13 @@ def render_run(result: dict[str, Any]) -> str:
         lines.append(f"{name:<7}{sent:>6}{done:>6}  {_fmt(result['ttft_p50'][name])}  {_fmt(result['ttft_p95'][name])}"
                      f"  {_fmt(result['e2e_p50'][name])}  {_fmt(result['e2e_p95'][name])}")
     rejected = ", ".join(f"{k} {v}" for k, v in result["rejected"].items()) or "none"
-    lines.append(f"rejected: {rejected}" + (f"; incomplete: {result['incomplete']}" if result["incomplete"] else ""))
+    lines.append(f"rejected: {rejected}" + (f"; incomplete: {result['incomplete']}" if result["incomplete"] else "")
+                 + (f"; gave up: {result['gave_up']}" if result["gave_up"] else "")
+                 + f"; goodput {result['goodput']}")
     lines.append(f"engine: preemptions {result['preemptions']} ({result['preempted_requests']} requests), "
                  f"max waiting {result['max_engine_waiting']}, peak running+waiting "
                  f"{result['peak_engine_running_plus_waiting']}, peak KV {result['peak_kv_usage']:.3f}")
-    if result["mode"] != "none":
+    if result["mode"] in GATED_MODES:
         lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
                      f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
     lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall), "
@@ -584,7 +632,7 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
         try:
             deployment.start()
             run = asyncio.run(drive(cfg, deployment, specs, seed))
-            gateway = gateway_counters(deployment.stacks) if cfg.mode != "none" else None
+            gateway = gateway_counters(deployment.stacks) if cfg.gated else None
             preemptions = engine_preemptions(deployment.engine_url)
         except BaseException:
             if cfg.progress:
@@ -600,7 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--scenario", required=True, choices=sorted(SCENARIOS), help="the load (see bench/README.md)")
-    add("--mode", choices=MODES, help="none, reference or full (required unless --all)")
+    add("--mode", choices=MODES, help="none, vllm-builtin, reference or full (required unless --all)")
+    add("--engine", choices=ENGINES, default=ENGINES[0],
+        help="the vLLM version the simulator behaves as: vllm-0.33 checks that a whole prompt fits "
+             "before starting it and caches prefixes; vllm-0.11 does neither")
     add("--all", action="store_true", help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
     add("--replicas", type=int, default=1, help="Envoy (+ service) replicas in front of the one engine")
     add("--replicas-list", default="1,3", help="with --all: the replica counts to run")
@@ -615,10 +666,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--concurrency", type=int, default=None,
         help="closed-loop scenarios (short): clients sending back to back (default: the scenario's, 8)")
     add("--count", type=int, default=None, help="closed-loop scenarios: requests in all (default: the scenario's)")
-    add("--max-inflight", type=int, default=4, help="ADMISSION_MAX_INFLIGHT (the engine's max-num-seqs)")
+    add("--deadline", type=float, default=None,
+        help="engine seconds after which a client gives up and disconnects (default: the scenario's; overload: 20)")
+    add("--max-inflight", type=int, default=None,
+        help="ADMISSION_MAX_INFLIGHT (the engine's max-num-seqs; default: the scenario's, else 4)")
     add("--kv-threshold", type=float, default=0.90, help="ADMISSION_KV_THRESHOLD")
-    add("--queue-depth", type=int, default=8, help="VLLM_MAX_QUEUE_DEPTH per replica")
-    add("--park-cap", type=float, default=120.0, help="ADMISSION_MAX_PARK_SECONDS in engine seconds (divided by K)")
+    add("--queue-depth", type=int, default=None, help="VLLM_MAX_QUEUE_DEPTH per replica (default: the scenario's, else 8)")
+    add("--park-cap", type=float, default=None,
+        help="ADMISSION_MAX_PARK_SECONDS in engine seconds, divided by K (default: the scenario's, else 120)")
     add("--poll-interval", type=float, default=2.0, help="ENGINE_POLL_INTERVAL_SECONDS in engine seconds (divided by K)")
     add("--extproc-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the admission service (repeatable), e.g. to try a feature flag")
@@ -647,9 +702,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.poll_interval / args.time_scale < 0.05:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
+    limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": 120.0, **dict(SCENARIOS[args.scenario].limits)}
+    for name in limits:
+        if getattr(args, name) is not None:
+            limits[name] = getattr(args, name)
+    args.max_inflight, args.queue_depth, args.park_cap = (
+        int(limits["max_inflight"]), int(limits["queue_depth"]), float(limits["park_cap"]))
     shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing, concurrency=args.concurrency,
-                      count=args.count)
-    base = dict(scenario=args.scenario, shared=args.shared, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
+                      count=args.count, deadline=args.deadline)
+    if args.engine == "vllm-0.11" and (args.mode == "vllm-builtin"):
+        parser.error("--mode vllm-builtin needs --engine vllm-0.33 (vLLM 0.11 has no --max-num-queued-reqs)")
+    base = dict(scenario=args.scenario, engine=args.engine, shared=args.shared, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet)
     if not args.all:
@@ -661,6 +724,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for replicas in replica_counts:
         for mode in MODES:
+            if mode == "vllm-builtin" and args.engine == "vllm-0.11":
+                continue  # vLLM 0.11 has no queue limits of its own
             result = run_one(BenchConfig(mode=mode, replicas=replicas, **base))
             print(render_run(result), file=sys.stderr, flush=True)
             results.append(result)

@@ -44,6 +44,11 @@ CLASSES: dict[str, PromptClass] = {
         # ~250 ms on the reference engine with four sequences decoding (a 73 ms step): a short
         # chat turn, the shape most real traffic has.
         PromptClass("short", 32, 3),
+        # On h100-llama8b (Llama-3.1-8B on an H100; 444,800 tokens of KV, max-num-seqs 1024):
+        # a reasoning turn (long generation: its KV grows for minutes after it was admitted) and
+        # a RAG-style request (long prompt, short answer: prefill-bound).
+        PromptClass("think", 1_000, 8_000),
+        PromptClass("rag", 4_000, 64),
     )
 }
 
@@ -75,6 +80,7 @@ class LoadShape:
     spacing: float = 0.5  # bursts: engine seconds between consecutive sends
     concurrency: int | None = None  # closed loop: clients sending back to back (None: the scenario's)
     count: int | None = None  # closed loop: requests in all (None: the scenario's)
+    deadline: float | None = None  # engine seconds a client waits before giving up (None: the scenario's)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,10 @@ class Scenario:
     build: Callable[[random.Random, LoadShape], list[RequestSpec]]
     time_scale: float = 20.0  # default K: poll interval 2/K = 0.1 s, and a run under a minute
     concurrency: int | None = None  # closed loop with this many clients (arrival offsets ignored)
+    preset: str = "reference"  # the simulator's geometry and cost model (enginesim --preset)
+    deadline: float | None = None  # engine seconds after which a client gives up and disconnects
+    # the gateway's limits for this scenario, unless given on the command line
+    limits: tuple[tuple[str, float], ...] = ()
 
 
 def prompt_content(spec: RequestSpec, seed: int) -> str:
@@ -109,6 +119,20 @@ def _burst(counts: dict[str, int], shuffle: bool = True) -> Callable[[random.Ran
         if shuffle:
             rng.shuffle(names)
         return [RequestSpec(i, CLASSES[name], i * shape.spacing) for i, name in enumerate(names)]
+
+    return build
+
+
+def _poisson(name: str, rate: float, duration: float) -> Callable[[random.Random, LoadShape], list[RequestSpec]]:
+    """Poisson arrivals of one class at `rate` per engine second for `duration` engine seconds."""
+
+    def build(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
+        specs: list[RequestSpec] = []
+        t = rng.expovariate(rate)
+        while t < duration:
+            specs.append(RequestSpec(len(specs), CLASSES[name], t))
+            t += rng.expovariate(rate)
+        return specs
 
     return build
 
@@ -151,6 +175,15 @@ SCENARIOS: dict[str, Scenario] = {
                  # real time: the gateway's per-request cost is not scaled, and at K=20 it would be
                  # as long as a whole request
                  seed=11, build=_closed_loop("short", 400), time_scale=1.0, concurrency=8),
+        Scenario("reasoning", "64 reasoning turns (1,000-token prompt, 8,000 generated) in a burst on h100-llama8b: "
+                 "every prompt fits at once, but 64 x 9,000 = 576,000 tokens of KV outgrow the 444,800 the engine "
+                 "holds while they decode",
+                 seed=21, build=_burst({"think": 64}), time_scale=4.0, preset="h100-llama8b",
+                 limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 1800.0))),
+        Scenario("overload", "RAG requests (4,000-token prompt, 64 generated) arriving at 2.5x what h100-llama8b "
+                 "can prefill (Poisson, 16/s for 60 s); each client gives up after 20 s and disconnects",
+                 seed=33, build=_poisson("rag", 16.0, 60.0), time_scale=1.0, preset="h100-llama8b",
+                 deadline=20.0, limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 20.0))),
         Scenario("smoke", "6 small prompts (256 tokens, max_tokens 16) in a burst: a quick check of the harness",
                  seed=1, build=_burst({"smoke": 6})),
     )

@@ -35,14 +35,14 @@ def run_bench(*args: str, scenario: str = "smoke") -> tuple[dict, str]:
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("mode", ["none", "reference", "full"])
+@pytest.mark.parametrize("mode", ["none", "vllm-builtin", "reference", "full"])
 def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> None:
     result, table = run_bench("--mode", mode, "--replicas", str(replicas))
 
     assert all(field in result for field in FIELDS), sorted(set(FIELDS) - set(result))
     assert (result["scenario"], result["mode"], result["replicas"]) == ("smoke", mode, replicas)
     assert result["requests"] == 6
-    assert result["completed"] + sum(result["rejected"].values()) + sum(result["incomplete"].values()) == 6
+    assert result["completed"] + sum(result["rejected"].values()) + sum(result["incomplete"].values()) + result["gave_up"] == 6
     assert result["incomplete"] == {}
     assert result["preemptions"] >= 0
     assert result["stale_transitions"] == 0
@@ -55,7 +55,8 @@ def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> No
     for key in ("ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
         assert set(result[key]) == {"smoke", "all"}
     assert 0 < result["ttft_p50"]["smoke"] <= result["ttft_p95"]["smoke"] <= result["e2e_p95"]["smoke"]
-    if mode == "none":
+    assert result["engine"] == "vllm-0.33"
+    if mode in ("none", "vllm-builtin"):  # no gateway: the engine's own queue (limit 4 + 1 + 8 here)
         assert result["parked"] == 0 and result["rejected"] == {}
     else:
         # every request the gateways saw is accounted for by their own counters
@@ -68,7 +69,8 @@ def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> No
 
 def test_all_prints_one_combined_table_and_a_json_list() -> None:
     result, table = run_bench("--all", "--replicas-list", "1")
-    assert [(r["mode"], r["replicas"]) for r in result["runs"]] == [("none", 1), ("reference", 1), ("full", 1)]
+    assert [(r["mode"], r["replicas"]) for r in result["runs"]] == [
+        ("none", 1), ("vllm-builtin", 1), ("reference", 1), ("full", 1)]
     assert table.count("\nnone ") == 2 and "peak r+w" in table
 
 
@@ -81,3 +83,23 @@ def test_short_scenario_runs_closed_loop_with_its_concurrency() -> None:
     assert sum(result["gateway_admitted"].values()) == 24
     assert 0 <= result["parked_while_free_s"] <= result["held_s"]
     assert "throughput" in table
+
+
+def test_the_older_engine_profile_and_the_engines_own_queue_limit() -> None:
+    older, _ = run_bench("--mode", "none", "--engine", "vllm-0.11")
+    assert (older["engine"], older["completed"]) == ("vllm-0.11", 6)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.admission", "--scenario", "smoke", "--mode", "vllm-builtin", "--engine", "vllm-0.11"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "vllm-builtin needs --engine vllm-0.33" in proc.stderr
+    # The engine's own limit (max in-flight + 1 + queue depth = 4 + 1 + 0 = 5 here) answers the rest 503.
+    limited, _ = run_bench("--mode", "vllm-builtin", "--queue-depth", "0")
+    assert limited["completed"] == 5 and sum(limited["rejected"].values()) == 1
+
+
+def test_clients_past_their_deadline_give_up_and_count_against_goodput() -> None:
+    # Hold nothing: a deadline far below one engine step makes every client give up at once.
+    result, table = run_bench("--mode", "full", "--deadline", "0.000001")
+    assert (result["gave_up"], result["completed"], result["goodput"]) == (6, 0, 0.0)
+    assert "gave up: 6" in table
