@@ -99,7 +99,7 @@ class BenchConfig:
     def engine_args(self) -> list[str]:
         """The simulator's flags: the scenario's preset, the profile, the clock, and vllm-builtin's
         queue limit (what the gate holds: max in-flight + one engine queue slot + the park)."""
-        args = ["--preset", self.scenario_def.preset, "--profile", self.engine,
+        args = ["--preset", self.scenario_def.preset, *self.scenario_def.sim_args, "--profile", self.engine,
                 "--time-scale", f"{self.time_scale:g}", "--log-level", "WARNING"]
         if self.mode == "vllm-builtin":
             args += ["--max-num-queued-reqs", str(self.max_inflight + 1 + self.queue_depth)]
@@ -473,6 +473,9 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
     ends = [r.finished for r in records if r.finished is not None]
     starts = [r.sent for r in records if r.sent is not None]
     held_s, free_s = work_conservation(records, run["arrivals"], run["occupancy"])
+    computed = {req.get("request_id"): req.get("computed_tokens", 0) for req in state.get("requests", [])}
+    wasted = sum(computed.get(f"bench-{r.spec.index}", 0) for r in records if r.outcome in ("gave_up", "incomplete"))
+    output_tokens = sum(r.tokens for r in records if r.outcome == "completed")
     answered_no = [(r.finished - r.sent) * k for r in records
                    if r.outcome == "rejected" and r.finished is not None and r.sent is not None]
     makespan = (max(ends) - min(starts)) * k if ends and starts else None
@@ -512,6 +515,10 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "peak_kv_usage": round(sampler.peak_kv_usage, 4),
         "makespan_s": _r(makespan),
         "throughput_rps": _r(completed / makespan, 2) if makespan else None,
+        "output_tokens_per_s": _r(output_tokens / makespan, 1) if makespan else None,
+        # tokens the engine computed (prefill, recompute, decode) for requests whose client gave up
+        "wasted_tokens": wasted,
+        "engine_computed_tokens": sum(computed.values()),
         # work conservation (engine seconds): time held before the engine, and the part of it
         # during which the engine had room for the request (see work_conservation)
         "held_s": _r(held_s * k, 2),

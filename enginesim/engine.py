@@ -81,6 +81,7 @@ class RequestHandle:
     arrival_time: float = 0.0
     state: str = "queued"  # queued, waiting, running, finished, aborted
     preemptions: int = 0
+    computed_tokens: int = 0  # tokens the engine computed for it (prefill, recompute, decode)
     tokens: asyncio.Queue[TokenOutput | None] = field(default_factory=asyncio.Queue)
     info: dict[str, Any] = field(default_factory=dict)
     arrival: dict[str, Any] = field(default_factory=dict)  # this request's /control/arrivals entry
@@ -208,6 +209,10 @@ class EngineRank:
 
     def _after_schedule(self, step: ScheduledStep) -> None:
         self._note_peaks()
+        for request_id, tokens in step.num_scheduled_tokens.items():
+            handle = self._handles.get(request_id)
+            if handle is not None:
+                handle.computed_tokens += tokens
         for request in self.scheduler.running:
             handle = self._handles.get(request.request_id)
             if handle is not None:
@@ -301,16 +306,7 @@ class EngineRank:
             start = max(candidates) if candidates else clock.now()
             start = max(start, self._last_end)
             step = self.scheduler.schedule(start)
-            self._note_peaks()
-            for request in self.scheduler.running:
-                handle = self._handles.get(request.request_id)
-                if handle is not None:
-                    handle.state = "running"
-            for request_id in step.preempted:
-                handle = self._handles.get(request_id)
-                if handle is not None:
-                    handle.state = "waiting"
-                    handle.preemptions += 1
+            self._after_schedule(step)
             if step.is_empty:  # cannot happen with a valid config; never spin
                 self._timeline = None
                 self._wake.clear()
@@ -475,7 +471,7 @@ class Engine:
                 {"engine_request_id": h.engine_request_id,
                  "request_id": h.info.get("request_id"), "engine": h.engine_index,
                  "state": h.state, "prompt_tokens": h.prompt_tokens, "max_tokens": h.max_tokens,
-                 "preemptions": h.preemptions}
+                 "preemptions": h.preemptions, "computed_tokens": h.computed_tokens}
                 for h in self.requests
             ],
         }

@@ -20,7 +20,8 @@ FIELDS = (
     "scenario", "mode", "replicas", "time_scale", "requests", "completed", "rejected", "parked",
     "preemptions", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95", "max_engine_waiting",
     "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s", "stale_transitions",
-    "ttft_p90", "throughput_rps", "held_s", "parked_while_free_s",
+    "ttft_p90", "throughput_rps", "held_s", "parked_while_free_s", "engine", "gave_up", "goodput",
+    "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens",
 )
 
 
@@ -51,6 +52,9 @@ def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> No
     assert 0 < result["peak_kv_usage"] <= 1
     assert result["makespan_s"] > 0
     assert result["throughput_rps"] > 0
+    assert result["wasted_tokens"] == 0 and result["goodput"] == result["completed"] / 6
+    # every completed request cost its prompt and all but its last token: 256 + 16 - 1
+    assert result["engine_computed_tokens"] >= result["completed"] * (256 + 16 - 1)
     assert 0 <= result["parked_while_free_s"] <= result["held_s"]
     for key in ("ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
         assert set(result[key]) == {"smoke", "all"}

@@ -448,3 +448,11 @@ async def test_timeline_records_when_the_engine_held_requests_and_their_whole_kv
     async with sim.client.get("/control/arrivals") as resp:
         (arrival,) = (await resp.json())["arrivals"]
     assert times[0] <= arrival["wall_time"] <= times[1]  # the same (monotonic) clock as the timeline
+
+
+async def test_state_counts_the_tokens_the_engine_computed_for_each_request(sim):
+    async with client_for(sim) as client:
+        await client.chat.completions.create(model="sim-model", messages=CHAT, max_tokens=4)
+    (request,) = (await sim.state())["requests"]
+    # 3 prompt tokens in the prefill (which samples the first token), then one step per further token.
+    assert (request["prompt_tokens"], request["computed_tokens"]) == (3, 3 + 4 - 1)
