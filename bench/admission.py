@@ -84,6 +84,15 @@ class BenchConfig:
     progress: bool = True
 
     @property
+    def builtin_queued_reqs(self) -> int:
+        """vllm-builtin's --max-num-queued-reqs: what the gate lets into the engine plus its park.
+
+        By default max in-flight + one engine queue slot + the queue depth; a scenario whose gate
+        is bound by KV rather than by max in-flight names its own (`builtin_queued_reqs`)."""
+        own = dict(self.scenario_def.limits).get("builtin_queued_reqs")
+        return int(own) if own is not None else self.max_inflight + 1 + self.queue_depth
+
+    @property
     def deadline(self) -> float | None:
         """Engine seconds after which a client gives up, or None."""
         return self.shape.deadline if self.shape.deadline is not None else self.scenario_def.deadline
@@ -102,7 +111,7 @@ class BenchConfig:
         args = ["--preset", self.scenario_def.preset, *self.scenario_def.sim_args, "--profile", self.engine,
                 "--time-scale", f"{self.time_scale:g}", "--log-level", "WARNING"]
         if self.mode == "vllm-builtin":
-            args += ["--max-num-queued-reqs", str(self.max_inflight + 1 + self.queue_depth)]
+            args += ["--max-num-queued-reqs", str(self.builtin_queued_reqs)]
         return [*args, *self.sim_args]
 
     @property
@@ -710,6 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
     limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": 120.0, **dict(SCENARIOS[args.scenario].limits)}
+    limits.pop("builtin_queued_reqs", None)  # read by BenchConfig from the scenario
     for name in limits:
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)

@@ -187,7 +187,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("overload", "RAG requests (4,000-token prompt, 64 generated) arriving at 2.5x what h100-llama8b "
                  "can prefill (Poisson, 16/s for 60 s); each client gives up after 20 s and disconnects",
                  seed=33, build=_poisson("rag", 16.0, 60.0), time_scale=1.0, preset="h100-llama8b",
-                 deadline=20.0, limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 20.0))),
+                 deadline=20.0, limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 20.0),
+                                        # what the KV budget lets in (444,800 / 4,064 = 109) + the park
+                                        ("builtin_queued_reqs", 109 + 64))),
         Scenario("smoke", "6 small prompts (256 tokens, max_tokens 16) in a burst: a quick check of the harness",
                  seed=1, build=_burst({"smoke": 6})),
     )
