@@ -14,6 +14,8 @@ from collections import Counter
 
 import pytest
 
+from extproc.devstack import http_get
+
 from .conftest import Stack
 from .http import chat_body, get
 
@@ -44,6 +46,14 @@ async def _burst(port: int, n: int) -> list[tuple[int, str]]:
     return await asyncio.wait_for(asyncio.gather(*(_one(port, body) for _ in range(n))), 240)
 
 
+def _breaker_refusals(stack: Stack) -> int:
+    """Envoy's own count of requests the engine cluster's circuit breaker refused."""
+    status, body = http_get(
+        f"{stack.local.envoy_admin_url}/stats?filter=^cluster\\.engine_default\\.upstream_rq_active_overflow$")
+    assert status == 200
+    return int(body.decode().split(":")[1])
+
+
 def _peak_held(stack: Stack) -> int:
     return max(held for _, held, _ in stack.sim("/control/timeline")["timeline"])
 
@@ -71,6 +81,7 @@ def test_a_burst_against_a_full_engine_never_exceeds_the_gates_bound_at_the_engi
     assert {status for status, _ in answers} <= {200, 503}
     refused = {outcome for status, outcome in answers if status == 503}
     assert refused <= {"queue_full", "park_timeout", "expected_wait_too_long", "engine_overloaded"}
+    assert _breaker_refusals(stack) == answers[(503, "engine_overloaded")]
     # Nothing leaked: the park and the ledger are empty once the engine drained.
     stack.wait_state(lambda s: s["queue_depth"] == 0 and s["inflight"] == 0, "park and ledger empty", timeout=30)
     assert get(f"{stack.url}/v1/models").status == 200
