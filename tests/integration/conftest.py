@@ -77,6 +77,12 @@ class Stack:
                     total += sample.value
         return total
 
+    def envoy_stat(self, pattern: str) -> int:
+        """Sum of Envoy's own counters/gauges whose full name matches the regex `pattern`."""
+        status, body = http_get(f"{self.local.envoy_admin_url}/stats?filter={pattern}")
+        assert status == 200
+        return sum(int(line.split(":")[1]) for line in body.decode().splitlines() if line.strip())
+
     def service_log(self) -> str:
         child = self.local.extproc
         return child.log_path.read_text() if child and child.log_path else ""

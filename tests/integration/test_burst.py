@@ -14,8 +14,6 @@ from collections import Counter
 
 import pytest
 
-from extproc.devstack import http_get
-
 from .conftest import Stack
 from .http import chat_body, get
 
@@ -48,10 +46,7 @@ async def _burst(port: int, n: int) -> list[tuple[int, str]]:
 
 def _breaker_refusals(stack: Stack) -> int:
     """Envoy's own count of requests the engine cluster's circuit breaker refused."""
-    status, body = http_get(
-        f"{stack.local.envoy_admin_url}/stats?filter=^cluster\\.engine_default\\.upstream_rq_active_overflow$")
-    assert status == 200
-    return int(body.decode().split(":")[1])
+    return stack.envoy_stat("^cluster\\.engine_default\\.upstream_rq_active_overflow$")
 
 
 def _peak_held(stack: Stack) -> int:

@@ -45,10 +45,7 @@ def raw(stack: Stack, request_line: str, body: bytes = b"", headers: dict[str, s
 
 def upstream_requests(stack: Stack, cluster: str = "engine_default") -> int:
     """Requests Envoy has sent to the engine, over both its clusters (gated and ungated paths)."""
-    status, body = http_get(
-        f"{stack.local.envoy_admin_url}/stats?filter=^cluster\\.{cluster}(_ungated)?\\.upstream_rq_total$")
-    assert status == 200
-    return sum(int(line.split(":")[1]) for line in body.decode().splitlines() if line.strip())
+    return stack.envoy_stat(f"^cluster\\.{cluster}(_ungated)?\\.upstream_rq_total$")
 
 
 def closed_stack(make_stack, env: dict[str, str] | None = None) -> Stack:  # noqa: ANN001

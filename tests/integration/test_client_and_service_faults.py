@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from extproc.devstack import http_get, wait_until
+from extproc.devstack import wait_until
 
 from .conftest import Stack
-from .http import chat_body, post
+from .http import chat_body, open_raw, post
 
 pytestmark = pytest.mark.integration
 
@@ -36,9 +36,7 @@ def _head(length: int, request_id: str) -> bytes:
 
 def _active_downstream(stack: Stack) -> int:
     """Envoy's own count of HTTP requests in progress on the inference listener."""
-    status, body = http_get(f"{stack.local.envoy_admin_url}/stats?filter=^http\\.inference\\.downstream_rq_active$")
-    assert status == 200
-    return int(body.decode().split(":")[1])
+    return stack.envoy_stat("^http\\.inference\\.downstream_rq_active$")
 
 
 def test_a_client_gone_mid_upload_is_never_admitted_and_leaves_nothing(stack: Stack) -> None:
@@ -58,8 +56,7 @@ def test_a_client_gone_mid_upload_is_never_admitted_and_leaves_nothing(stack: St
 def test_a_client_gone_mid_stream_frees_its_slot_and_the_engine_aborts(stack: Stack) -> None:
     body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "go"}],
                        "max_tokens": 2_000, "stream": True}).encode()
-    with _connect(stack) as sock:
-        sock.sendall(_head(len(body), "leaver") + body)
+    with open_raw(stack.url + URL, body, "leaver") as sock:
         received = b""
         while b"data:" not in received:  # the answer has started streaming
             received += sock.recv(65536)
