@@ -284,8 +284,8 @@ class EngineRank:
             in_flight = None if step.is_empty else step
 
     async def _run_sync(self) -> None:
+        """vLLM 0.11: schedule a step, run it, apply its outputs, then schedule the next."""
         engine = self._engine
-        clock = engine.clock
         while True:
             if engine.held or not (self._pending or self.scheduler.has_unfinished):
                 self._timeline = None
@@ -295,45 +295,14 @@ class EngineRank:
             batch, self._pending = self._pending, []
             for handle in batch:
                 self._admit(handle)
-            # A busy rank continues its own timeline; an idle one starts when the request
-            # that woke it arrived (or when the hold was released), not when the event loop
-            # got round to it, so loop latency is never multiplied by the time scale.
-            base = self._timeline if self._timeline is not None else self._resume_at
-            self._resume_at = None
-            candidates = [h.arrival_time for h in batch]
-            if base is not None:
-                candidates.append(base)
-            start = max(candidates) if candidates else clock.now()
-            start = max(start, self._last_end)
-            step = self.scheduler.schedule(start)
+            step = self.scheduler.schedule(self._start_time(batch))
             self._after_schedule(step)
             if step.is_empty:  # cannot happen with a valid config; never spin
                 self._timeline = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-
-            self._step_in_flight = True
-            try:
-                delay = clock.wall_delay_until(step.end_time)
-                await asyncio.sleep(delay if delay >= MIN_SLEEP_S else 0)
-            finally:
-                self._step_in_flight = False
-            output = self.scheduler.complete(step)
-            self._timeline = self._last_end = step.end_time
-            self.num_steps += 1
-            engine.metrics.record_step(self.index, step, output)
-            self._publish()
-            for token in output.tokens:
-                handle = self._handles.get(token.request_id)
-                if handle is None:
-                    continue
-                handle.tokens.put_nowait(token)
-                if token.finished:
-                    handle.state = "finished"
-                    handle.tokens.put_nowait(None)
-                    del self._handles[token.request_id]
-                    engine.record_end(handle)
+            await self._execute(step)
 
 
 class Engine:
