@@ -16,7 +16,7 @@ Modes:
 - `full`: the service with its defaults (only the limits and the scaled clocks are set).
 
 Time scale: the engine runs K times faster than real time, so the gateway's own clocks are scaled
-by 1/K (poll interval 2/K s, which is also the poll timeout; park cap 120/K s; scrape grace 0.5/K
+by 1/K (poll interval 2/K s, which is also the poll timeout; park cap 300/K s; scrape grace 0.5/K
 s; Retry-After stays 1 s, its minimum, since the benchmark's clients never retry). The gateway
 thus polls as often per engine second as it would in production. All durations reported are
 ENGINE seconds (wall seconds x K).
@@ -44,6 +44,7 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.config import DEFAULT_MAX_PARK_SECONDS
 from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
 
 from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, build_requests, prompt_content
@@ -75,7 +76,7 @@ class BenchConfig:
     max_inflight: int = 4
     kv_threshold: float = 0.90
     queue_depth: int = 8
-    park_cap: float = 120.0  # engine seconds
+    park_cap: float = DEFAULT_MAX_PARK_SECONDS  # engine seconds
     poll_interval: float = 2.0  # engine seconds
     scrape_grace: float = 0.5  # engine seconds
     extra_env: tuple[tuple[str, str], ...] = ()
@@ -689,7 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-threshold", type=float, default=0.90, help="ADMISSION_KV_THRESHOLD")
     add("--queue-depth", type=int, default=None, help="VLLM_MAX_QUEUE_DEPTH per replica (default: the scenario's, else 8)")
     add("--park-cap", type=float, default=None,
-        help="ADMISSION_MAX_PARK_SECONDS in engine seconds, divided by K (default: the scenario's, else 120)")
+        help="ADMISSION_MAX_PARK_SECONDS in engine seconds, divided by K (default: the scenario's, else the service's, 300)")
     add("--poll-interval", type=float, default=2.0, help="ENGINE_POLL_INTERVAL_SECONDS in engine seconds (divided by K)")
     add("--extproc-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the admission service (repeatable), e.g. to try a feature flag")
@@ -718,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.poll_interval / args.time_scale < 0.05:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
-    limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": 120.0, **dict(SCENARIOS[args.scenario].limits)}
+    limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": DEFAULT_MAX_PARK_SECONDS, **dict(SCENARIOS[args.scenario].limits)}
     limits.pop("builtin_queued_reqs", None)  # read by BenchConfig from the scenario
     for name in limits:
         if getattr(args, name) is not None:

@@ -27,7 +27,7 @@ configuration (environment variables, read once at startup; a bad value exits wi
   VLLM_MAX_NUM_SEQS              the engine's --max-num-seqs (default for the line above)  [4]
   ADMISSION_KV_THRESHOLD         park while KV cache usage (fraction) >= this  [0.90]
   VLLM_MAX_QUEUE_DEPTH           parked requests per engine before rejecting at once (503)  [8]
-  ADMISSION_MAX_PARK_SECONDS     longest park before 503 + Retry-After        [120]
+  ADMISSION_MAX_PARK_SECONDS     longest park before 503 + Retry-After        [300]
   ADMISSION_RETRY_AFTER_SECONDS  Retry-After on 503 answers                    [5]
   MAX_BODY_BYTES                 request body cap; larger bodies get 413       [1048576]
   ENGINE_POLL_INTERVAL_SECONDS   engine /metrics poll interval                 [2]

@@ -14,7 +14,7 @@ def test_defaults_match_the_reference_design() -> None:
     s = load_settings({"ADMISSION_OBSERVE_MODELS": "m"})
     (engine,) = s.engines
     assert (engine.limits.max_inflight, engine.limits.kv_threshold) == (4, 0.90)
-    assert (engine.limits.max_queue_depth, engine.limits.max_park_seconds) == (8, 120.0)
+    assert (engine.limits.max_queue_depth, engine.limits.max_park_seconds) == (8, 300.0)
     assert (s.max_body_bytes, s.poll_interval, s.stale_after_polls, s.retry_after_seconds) == (1048576, 2.0, 3, 5)
     assert engine.metrics_url == "http://127.0.0.1:8000/metrics"
     assert (s.grpc_host, s.grpc_port) == ("127.0.0.1", 9002)
