@@ -252,6 +252,12 @@ class EngineRank:
                 del self._handles[token.request_id]
                 engine.record_end(handle)
 
+    async def _idle(self) -> None:
+        """Nothing to run: drop the timeline and wait for an arrival, a resume or a wake-up."""
+        self._timeline = None
+        self._wake.clear()
+        await self._wake.wait()
+
     async def _run_async(self) -> None:
         """vLLM 0.33's async scheduling: see the module docstring."""
         engine = self._engine
@@ -262,9 +268,7 @@ class EngineRank:
                     await self._execute(in_flight)
                     in_flight = None
                     continue
-                self._timeline = None
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             batch, self._pending = self._pending, []
             for handle in batch:
@@ -274,9 +278,7 @@ class EngineRank:
             self._after_schedule(step)
             if in_flight is None:
                 if step.is_empty:  # cannot happen with a valid config; never spin
-                    self._timeline = None
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 in_flight = step  # the batch queue has room: schedule the next one at once
                 continue
@@ -288,9 +290,7 @@ class EngineRank:
         engine = self._engine
         while True:
             if engine.held or not (self._pending or self.scheduler.has_unfinished):
-                self._timeline = None
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             batch, self._pending = self._pending, []
             for handle in batch:
@@ -298,9 +298,7 @@ class EngineRank:
             step = self.scheduler.schedule(self._start_time(batch))
             self._after_schedule(step)
             if step.is_empty:  # cannot happen with a valid config; never spin
-                self._timeline = None
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             await self._execute(step)
 
