@@ -100,6 +100,11 @@ class Settings:
         return bool(self.model_to_engine)
 
     @property
+    def effective_engine_queue_slots(self) -> int:
+        """Requests allowed to wait inside an engine beyond max in-flight: only with the KV budget."""
+        return self.engine_queue_slots if self.kv_budget and self.local_accounting else 0
+
+    @property
     def max_park_seconds(self) -> float:
         """The longest park any engine allows; Envoy's timeouts are sized from it."""
         return max((e.limits.max_park_seconds for e in self.engines), default=0.0)
@@ -119,7 +124,7 @@ class Settings:
             "kv_budget": self.kv_budget and self.local_accounting,
             "backfill": self.backfill,
             "wait_estimates": self.wait_estimates,
-            "engine_queue_slots": self.engine_queue_slots if self.kv_budget and self.local_accounting else 0,
+            "engine_queue_slots": self.effective_engine_queue_slots,
             "bytes_per_token": self.bytes_per_token,
             "estimate_safety_factor": self.estimate_safety_factor,
             "default_max_tokens": self.default_max_tokens,

@@ -38,7 +38,6 @@ answers 503 (`status_on_error`) instead.
 from __future__ import annotations
 
 import ipaddress
-import json
 import math
 from typing import Any
 
@@ -46,7 +45,7 @@ import yaml
 
 from .admission import PARK_TIMEOUT_MARGIN_SECONDS
 from .config import EngineConfig, Settings
-from .outcomes import Outcome
+from .outcomes import ENVOY_REJECTIONS, Outcome, error_body
 from .servicer import OUTCOME_HEADER, ROUTE_HEADER
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
@@ -117,8 +116,7 @@ def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int,
 
 def engine_bound(settings: Settings, engine: EngineConfig) -> int:
     """Concurrent requests one Envoy may have on an engine's gated cluster: what the gate admits."""
-    queue_slots = settings.engine_queue_slots if settings.kv_budget and settings.local_accounting else 0
-    return engine.limits.max_inflight + queue_slots
+    return engine.limits.max_inflight + settings.effective_engine_queue_slots
 
 
 def _route(match: dict[str, Any], cluster: str, engine: EngineConfig | None = None) -> dict[str, Any]:
@@ -145,20 +143,19 @@ def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
 
 def _overloaded_reply(settings: Settings) -> dict[str, Any]:
     """Envoy's answer when an engine cluster's breaker trips, in the service's shape."""
-    body = json.dumps({"error": {
-        "message": "the engine is at capacity and the gateway holds no more requests for it; retry later",
-        "type": "service_unavailable", "code": Outcome.ENGINE_OVERLOADED.value}}, separators=(",", ":"))
+    outcome = Outcome.ENGINE_OVERLOADED
+    body = error_body(outcome, "the engine is at capacity and the gateway holds no more requests for it; retry later")
     return {
         "mappers": [{
             "filter": {"response_flag_filter": {"flags": ["UO"]}},
-            "status_code": 503,
+            "status_code": ENVOY_REJECTIONS[outcome].status,
             "headers_to_add": [
                 {"header": {"key": "retry-after", "value": str(settings.retry_after_seconds)},
                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-                {"header": {"key": OUTCOME_HEADER, "value": Outcome.ENGINE_OVERLOADED.value},
+                {"header": {"key": OUTCOME_HEADER, "value": outcome.value},
                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
             ],
-            "body": {"inline_string": body},
+            "body": {"inline_string": body.decode()},
             "body_format_override": {"text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
                                      "content_type": "application/json"},
         }]

@@ -73,12 +73,18 @@ REJECTIONS: dict[Outcome, Rejection] = {
     Outcome.AMBIGUOUS_PATH: Rejection(400, "invalid_request_error", retry_after=False),
 }
 
+#: Rejections Envoy answers itself (local reply config), in the same shape; the service never
+#: decides or counts them.
+ENVOY_REJECTIONS: dict[Outcome, Rejection] = {
+    Outcome.ENGINE_OVERLOADED: Rejection(503, "service_unavailable", retry_after=True),
+}
+
 #: Outcomes counted in `admission_rejected_total{reason}`.
 REJECTED_REASONS: tuple[Outcome, ...] = (*REJECTIONS, Outcome.CLIENT_GONE)
 
 
 def error_body(outcome: Outcome, message: str) -> bytes:
     """The OpenAI-style JSON error document for a rejecting outcome."""
-    row = REJECTIONS[outcome]
+    row = REJECTIONS.get(outcome) or ENVOY_REJECTIONS[outcome]
     doc = {"error": {"message": message, "type": row.error_type, "code": outcome.value}}
     return json.dumps(doc, separators=(",", ":")).encode()
