@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.config import DEFAULT_MAX_PARK_SECONDS
 from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
 
-from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, build_requests, prompt_content
+from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, Scenario, build_requests, prompt_content
 
 MODES = ("none", "vllm-builtin", "reference", "full")
 GATED_MODES = ("reference", "full")  # the modes with an admission service
@@ -90,8 +90,8 @@ class BenchConfig:
 
         By default max in-flight + one engine queue slot + the queue depth; a scenario whose gate
         is bound by KV rather than by max in-flight names its own (`builtin_queued_reqs`)."""
-        own = dict(self.scenario_def.limits).get("builtin_queued_reqs")
-        return int(own) if own is not None else self.max_inflight + 1 + self.queue_depth
+        own = self.scenario_def.builtin_queued_reqs
+        return own if own is not None else self.max_inflight + 1 + self.queue_depth
 
     @property
     def deadline(self) -> float | None:
@@ -103,7 +103,7 @@ class BenchConfig:
         return self.mode in GATED_MODES
 
     @property
-    def scenario_def(self) -> Any:
+    def scenario_def(self) -> Scenario:
         return SCENARIOS[self.scenario]
 
     def engine_args(self) -> list[str]:
@@ -118,7 +118,7 @@ class BenchConfig:
     @property
     def concurrency(self) -> int | None:
         """Closed-loop clients, or None for a scenario sent at its arrival offsets."""
-        return self.shape.concurrency or SCENARIOS[self.scenario].concurrency
+        return self.shape.concurrency or self.scenario_def.concurrency
 
     def service_env(self) -> dict[str, str]:
         """The admission service's environment for the gated modes (clocks scaled by 1/K)."""
@@ -720,7 +720,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
     limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": DEFAULT_MAX_PARK_SECONDS, **dict(SCENARIOS[args.scenario].limits)}
-    limits.pop("builtin_queued_reqs", None)  # read by BenchConfig from the scenario
     for name in limits:
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)

@@ -96,6 +96,8 @@ class Scenario:
     deadline: float | None = None  # engine seconds after which a client gives up and disconnects
     # the gateway's limits for this scenario, unless given on the command line
     limits: tuple[tuple[str, float], ...] = ()
+    # vllm-builtin's --max-num-queued-reqs, where the gate is bound by KV rather than max in-flight
+    builtin_queued_reqs: int | None = None
 
 
 def prompt_content(spec: RequestSpec, seed: int) -> str:
@@ -124,30 +126,26 @@ def _burst(counts: dict[str, int], shuffle: bool = True) -> Callable[[random.Ran
     return build
 
 
+def _arrivals(rng: random.Random, rate: float, duration: float, pick: Callable[[], str]) -> list[RequestSpec]:
+    """Poisson arrivals at `rate` per engine second for `duration` engine seconds; `pick` names each class."""
+    specs: list[RequestSpec] = []
+    t = rng.expovariate(rate)
+    while t < duration:
+        specs.append(RequestSpec(len(specs), CLASSES[pick()], t))
+        t += rng.expovariate(rate)
+    return specs
+
+
 def _poisson(name: str, rate: float, duration: float) -> Callable[[random.Random, LoadShape], list[RequestSpec]]:
     """Poisson arrivals of one class at `rate` per engine second for `duration` engine seconds."""
-
-    def build(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
-        specs: list[RequestSpec] = []
-        t = rng.expovariate(rate)
-        while t < duration:
-            specs.append(RequestSpec(len(specs), CLASSES[name], t))
-            t += rng.expovariate(rate)
-        return specs
-
-    return build
+    return lambda rng, shape: _arrivals(rng, rate, duration, lambda: name)
 
 
 def _steady(rng: random.Random, shape: LoadShape) -> list[RequestSpec]:
     """Poisson arrivals at `rate` per engine second over `duration` engine seconds, mixed sizes."""
     names = [name for name, _ in STEADY_MIX]
     weights = [w for _, w in STEADY_MIX]
-    specs: list[RequestSpec] = []
-    t = rng.expovariate(shape.rate)
-    while t < shape.duration:
-        specs.append(RequestSpec(len(specs), CLASSES[rng.choices(names, weights)[0]], t))
-        t += rng.expovariate(shape.rate)
-    return specs
+    return _arrivals(rng, shape.rate, shape.duration, lambda: rng.choices(names, weights)[0])
 
 
 def _closed_loop(name: str, count: int) -> Callable[[random.Random, LoadShape], list[RequestSpec]]:
@@ -187,9 +185,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("overload", "RAG requests (4,000-token prompt, 64 generated) arriving at 2.5x what h100-llama8b "
                  "can prefill (Poisson, 16/s for 60 s); each client gives up after 20 s and disconnects",
                  seed=33, build=_poisson("rag", 16.0, 60.0), time_scale=1.0, preset="h100-llama8b",
-                 deadline=20.0, limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 20.0),
-                                        # what the KV budget lets in (444,800 / 4,064 = 109) + the park
-                                        ("builtin_queued_reqs", 109 + 64))),
+                 deadline=20.0, limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 20.0)),
+                 # what the KV budget lets in (444,800 / 4,064 = 109) + the park
+                 builtin_queued_reqs=109 + 64),
         Scenario("smoke", "6 small prompts (256 tokens, max_tokens 16) in a burst: a quick check of the harness",
                  seed=1, build=_burst({"smoke": 6})),
     )
