@@ -88,6 +88,17 @@ class Stack:
         return child.log_path.read_text() if child and child.log_path else ""
 
 
+def two_engine_env(tmp_path: Path, port_a: int, port_b: int, model_b: str) -> dict[str, str]:
+    """The service's environment for engines `a` (sim-model on port_a) and `b` (model_b on port_b)."""
+    config = tmp_path / "engines.yaml"
+    config.write_text(
+        "engines:\n"
+        f"  - {{name: a, url: 'http://127.0.0.1:{port_a}', models: [sim-model]}}\n"
+        f"  - {{name: b, url: 'http://127.0.0.1:{port_b}', models: [{model_b}]}}\n"
+    )
+    return {"ADMISSION_OBSERVE_MODELS": "", "EXTPROC_CONFIG": str(config)}
+
+
 @pytest.fixture
 def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Stack]]:
     started: list[LocalStack] = []

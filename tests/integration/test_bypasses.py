@@ -20,7 +20,7 @@ import pytest
 from extproc.devstack import Child, console_script, free_port, http_get, wait_until
 from extproc.endpoints import DEFAULT_GATED_PATHS
 
-from .conftest import Stack
+from .conftest import Stack, two_engine_env
 from .http import Reply, chat_body, get, post
 
 pytestmark = pytest.mark.integration
@@ -211,13 +211,7 @@ def engine_b(tmp_path: Path):  # noqa: ANN201
 
 def test_a_client_set_admission_header_never_picks_the_engine(make_stack, engine_b: int, tmp_path: Path) -> None:  # noqa: ANN001
     sim_port = free_port()
-    config = tmp_path / "engines.yaml"
-    config.write_text(
-        "engines:\n"
-        f"  - {{name: a, url: 'http://127.0.0.1:{sim_port}', models: [sim-model]}}\n"
-        f"  - {{name: b, url: 'http://127.0.0.1:{engine_b}', models: [model-b]}}\n"
-    )
-    stack = make_stack({"ADMISSION_OBSERVE_MODELS": "", "EXTPROC_CONFIG": str(config)}, sim_port=sim_port)
+    stack = make_stack(two_engine_env(tmp_path, sim_port, engine_b, "model-b"), sim_port=sim_port)
     spoof = {"x-admission-engine": "b", "X-Admission-Outcome": "admitted"}
 
     def models_via_gateway() -> list[str]:

@@ -10,7 +10,7 @@ import openai
 
 from extproc.devstack import Child, console_script, free_port
 
-from .conftest import Stack
+from .conftest import Stack, two_engine_env
 from .http import chat_body, get, post
 
 
@@ -86,13 +86,7 @@ def test_several_engines_are_routed_by_model(make_stack, tmp_path: Path) -> None
                   {}, tmp_path / "enginesim-b.log")
     other.start()
     try:
-        config = tmp_path / "engines.yaml"
-        config.write_text(
-            "engines:\n"
-            f"  - {{name: a, url: 'http://127.0.0.1:{sim_port}', models: [sim-model]}}\n"
-            f"  - {{name: b, url: 'http://127.0.0.1:{other_port}', models: [other-model]}}\n"
-        )
-        stack = make_stack({"ADMISSION_OBSERVE_MODELS": "", "EXTPROC_CONFIG": str(config)}, sim_port=sim_port)
+        stack = make_stack(two_engine_env(tmp_path, sim_port, other_port, "other-model"), sim_port=sim_port)
         a = post(f"{stack.url}/v1/chat/completions", chat_body(model="sim-model"), {"x-request-id": "to-a"})
         b = post(f"{stack.url}/v1/chat/completions", chat_body(model="other-model", model_last=True),
                  {"x-request-id": "to-b"})
