@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
@@ -25,12 +26,29 @@ log = logging.getLogger("extproc.admission")
 PARK_TIMEOUT_MARGIN_SECONDS = 5.0
 
 
+#: Decisions kept per engine for the status page and /debug/engines.
+RECENT_DECISIONS = 50
+
+
+@dataclass(frozen=True)
+class RecentDecision:
+    """One decision as an operator sees it: no prompt content, only its size and fate."""
+
+    at: float  # the admission clock
+    model: str
+    outcome: str
+    tokens: int  # the request's estimated KV need
+    waited: float  # seconds from arrival to this decision
+    retry_after: int | None
+
+
 @dataclass
 class _Engine:
     config: EngineConfig
     gate: EngineGate
     gauges: list[tuple[Gauge, Callable[[EngineGate], float]]]  # engine-labelled gauges and their source
     timer: asyncio.TimerHandle | None = None
+    recent: deque[RecentDecision] = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))
 
 
 class Admission:
@@ -76,6 +94,10 @@ class Admission:
     def gate(self, engine: str) -> EngineGate:
         return self._engines[engine].gate
 
+    def recent(self, engine: str) -> tuple[RecentDecision, ...]:
+        """The engine's last decisions, oldest first (PARKED included)."""
+        return tuple(self._engines[engine].recent)
+
     # --- request side ---------------------------------------------------------------------
 
     def arrive(self, engine: str, model: str, tokens: int = 0) -> Decision:
@@ -89,6 +111,7 @@ class Admission:
         if decision.outcome is Outcome.PARKED:
             self._waiters[decision.ticket] = asyncio.get_running_loop().create_future()
             self._metrics.parked.labels(engine, model).inc()
+            self._engines[engine].recent.append(RecentDecision(now, model, Outcome.PARKED.value, tokens, 0.0, None))
             self._arm_timer(engine)
         else:
             self._record(engine, decision, parked=False)
@@ -212,6 +235,9 @@ class Admission:
 
     def _record(self, engine: str, decision: Decision, parked: bool) -> None:
         outcome, ticket = decision.outcome, decision.ticket
+        now = self.now()
+        self._engines[engine].recent.append(RecentDecision(
+            now, ticket.model, outcome.value, ticket.tokens, max(0.0, now - ticket.arrived), decision.retry_after))
         if outcome.admits:
             self._metrics.admitted.labels(engine, ticket.model, outcome.value).inc()
             if ticket.backfilled:
