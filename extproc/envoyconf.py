@@ -20,7 +20,8 @@ HTTP/1.1 upstreams too, counted across all workers). Whatever the service does (
 under a burst, is down, is restarting) and whatever `failure_mode_allow` says, one Envoy never
 has more gated requests at the engine than the gate itself would admit; the next one gets
 Envoy's own 503 at once, shaped like the service's (JSON body, `Retry-After`,
-`x-admission-outcome: engine_overloaded`, local reply config on response flag UO). Gated paths,
+`x-admission-outcome: engine_overloaded`, local reply config on response flag UO); every other
+answer Envoy makes itself is shaped the same way (`LOCAL_REPLIES`). Gated paths,
 and any path with an escaped slash or backslash that the engine's router could decode into one,
 go to that cluster; every other path (`/v1/models`, `/health`, `/tokenize`, ...) goes to a
 second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
@@ -39,13 +40,14 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from .admission import PARK_TIMEOUT_MARGIN_SECONDS
 from .config import EngineConfig, Settings
-from .outcomes import ENVOY_REJECTIONS, Outcome, error_body
+from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
 from .servicer import OUTCOME_HEADER, ROUTE_HEADER
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
@@ -141,25 +143,91 @@ def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
     return routes
 
 
-def _overloaded_reply(settings: Settings) -> dict[str, Any]:
-    """Envoy's answer when an engine cluster's breaker trips, in the service's shape."""
-    outcome = Outcome.ENGINE_OVERLOADED
-    body = error_body(outcome, "the engine is at capacity and the gateway holds no more requests for it; retry later")
-    return {
-        "mappers": [{
-            "filter": {"response_flag_filter": {"flags": ["UO"]}},
-            "status_code": ENVOY_REJECTIONS[outcome].status,
-            "headers_to_add": [
-                {"header": {"key": "retry-after", "value": str(settings.retry_after_seconds)},
-                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-                {"header": {"key": OUTCOME_HEADER, "value": outcome.value},
-                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
-            ],
-            "body": {"inline_string": body.decode()},
-            "body_format_override": {"text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
-                                     "content_type": "application/json"},
-        }]
-    }
+#: The service's own answers (ext_proc ImmediateResponse) are Envoy local replies too, with the
+#: response code details `admission_<outcome>`: the first mapper leaves them exactly as they are.
+SERVICE_REPLY_DETAILS_PREFIX = "admission_"
+_CEL_FILTER = "envoy.access_loggers.extension_filters.cel"
+_CEL_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+
+
+@dataclass(frozen=True)
+class LocalReply:
+    """One kind of answer Envoy makes itself, and how it is shown to the client."""
+
+    outcome: Outcome
+    match: dict[str, Any]  # an access log filter
+    message: str  # may use Envoy substitution commands (%RESPONSE_CODE_DETAILS%, %LOCAL_REPLY_BODY%)
+    keep_status: bool = False  # keep the status Envoy chose (the catch-all)
+
+
+def _flags(*flags: str) -> dict[str, Any]:
+    return {"response_flag_filter": {"flags": list(flags)}}
+
+
+def _status(code: int) -> dict[str, Any]:
+    return {"status_code_filter": {"comparison": {"op": "EQ", "value": {
+        "default_value": code, "runtime_key": f"admission.local_reply.status_{code}"}}}}
+
+
+def _details_prefix(prefix: str) -> dict[str, Any]:
+    return {"extension_filter": {"name": _CEL_FILTER, "typed_config": {
+        "@type": _CEL_TYPE, "expression": f"response.code_details.startsWith('{prefix}')"}}}
+
+
+#: Every local reply the generated config can produce, first match wins (after the service's own
+#: answers). Verified on Envoy 1.40: connect refused = UF, no endpoint = UH, reset before the
+#: response = UC/UR/LR, stream idle timeout = SI (504), a failed ext_proc call with
+#: failure_mode_allow false = details `ext_proc_error_...` (no flag), HTTP/1 codec errors = 400
+#: and 431 (no flag). The catch-all keeps whatever status Envoy chose.
+LOCAL_REPLIES: tuple[LocalReply, ...] = (
+    LocalReply(Outcome.ENGINE_OVERLOADED, _flags("UO"),
+               "the engine is at capacity and the gateway holds no more requests for it; retry later"),
+    LocalReply(Outcome.ENGINE_UNAVAILABLE, _flags("UF", "UH", "UC", "UR", "LR", "URX", "UMSDR"),
+               "the engine could not be reached or closed the connection before answering; retry later "
+               "(%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.ENGINE_TIMEOUT, _flags("UT", "SI"),
+               "no answer from the engine within the gateway's timeout (%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.NO_ROUTE, _flags("NR", "NC"), "no route for this request (%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.ADMISSION_UNAVAILABLE, _details_prefix("ext_proc_"),
+               "the admission service did not answer and the gateway fails closed; retry later "
+               "(%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.BODY_TOO_LARGE, _status(413),
+               "request body exceeds the gateway's buffer limit (%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.HEADERS_TOO_LARGE, _status(431),
+               "request headers exceed the gateway's limit (%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.BAD_REQUEST, _status(400), "malformed HTTP request (%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.GATEWAY_ERROR, {"status_code_filter": {"comparison": {"op": "GE", "value": {
+        "default_value": 0, "runtime_key": "admission.local_reply.any"}}}},
+               "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", keep_status=True),
+)
+
+
+def _rejection(outcome: Outcome) -> Rejection:
+    return ENVOY_REJECTIONS.get(outcome) or REJECTIONS[outcome]
+
+
+def _local_reply_config(settings: Settings) -> dict[str, Any]:
+    """Envoy's own answers in the service's shape: an OpenAI-style JSON error body and
+    `x-admission-outcome`, plus `Retry-After` where the client should retry (local reply config)."""
+    mappers: list[dict[str, Any]] = [{"filter": _details_prefix(SERVICE_REPLY_DETAILS_PREFIX)}]
+    for reply in LOCAL_REPLIES:
+        row = _rejection(reply.outcome)
+        headers = [(OUTCOME_HEADER, reply.outcome.value)]
+        if row.retry_after:
+            headers.insert(0, ("retry-after", str(settings.retry_after_seconds)))
+        mapper: dict[str, Any] = {"filter": reply.match}
+        if not reply.keep_status:
+            mapper["status_code"] = row.status
+        mapper["headers_to_add"] = [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in headers
+        ]
+        mapper["body_format_override"] = {
+            "json_format": {"error": {"message": reply.message, "type": row.error_type, "code": reply.outcome.value}},
+            "content_type": "application/json",
+        }
+        mappers.append(mapper)
+    return {"mappers": mappers}
 
 
 def build_envoy_config(
@@ -235,7 +303,7 @@ def build_envoy_config(
                 },
             }
         ],
-        "local_reply_config": _overloaded_reply(settings),
+        "local_reply_config": _local_reply_config(settings),
         "route_config": {
             "name": "engines",
             "virtual_hosts": [{"name": "engines", "domains": ["*"], "routes": routes}],

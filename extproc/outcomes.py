@@ -37,6 +37,14 @@ class Outcome(enum.StrEnum):
     # Answered by Envoy itself, never by the service: the engine cluster's circuit breaker is full
     # (the backstop when the service answered late or not at all; see envoyconf).
     ENGINE_OVERLOADED = "engine_overloaded"
+    # Envoy's other local replies, shaped like the service's (envoyconf `LOCAL_REPLIES`).
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # connect failure, no healthy host, reset before answering
+    ENGINE_TIMEOUT = "engine_timeout"  # nothing sent or received for the stream idle timeout
+    ADMISSION_UNAVAILABLE = "admission_unavailable"  # the service failed and Envoy fails closed
+    NO_ROUTE = "no_route"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    BAD_REQUEST = "bad_request"  # not parsable as HTTP
+    GATEWAY_ERROR = "gateway_error"  # any other reply Envoy makes itself (its status is kept)
     # The client went away while parked: nothing to answer, nothing admitted.
     CLIENT_GONE = "client_gone"
 
@@ -77,6 +85,13 @@ REJECTIONS: dict[Outcome, Rejection] = {
 #: decides or counts them.
 ENVOY_REJECTIONS: dict[Outcome, Rejection] = {
     Outcome.ENGINE_OVERLOADED: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.ENGINE_UNAVAILABLE: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.ENGINE_TIMEOUT: Rejection(504, "timeout_error", retry_after=False),
+    Outcome.ADMISSION_UNAVAILABLE: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.NO_ROUTE: Rejection(404, "not_found_error", retry_after=False),
+    Outcome.HEADERS_TOO_LARGE: Rejection(431, "invalid_request_error", retry_after=False),
+    Outcome.BAD_REQUEST: Rejection(400, "invalid_request_error", retry_after=False),
+    Outcome.GATEWAY_ERROR: Rejection(500, "server_error", retry_after=False),  # status: Envoy's own
 }
 
 #: Outcomes counted in `admission_rejected_total{reason}`.

@@ -243,3 +243,20 @@ def _chat(port: int) -> int:
         return response.status
     finally:
         conn.close()
+
+
+def test_the_rendered_envoys_own_answers_are_shaped_like_the_services(pod: Pod) -> None:
+    """Engine gone: Envoy itself answers, on gated and ungated paths, in the service's JSON shape."""
+    pod.sim.stop()
+    for method, path, body in (("POST", "/v1/chat/completions", b'{"model": "sim-model", "messages": []}'),
+                               ("GET", "/v1/models", None)):
+        conn = http.client.HTTPConnection("127.0.0.1", pod.port("envoy", "port"), timeout=10)
+        conn.request(method, path, body=body, headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        doc = json.loads(response.read())
+        conn.close()
+        assert response.status == 503
+        assert response.getheader("content-type") == "application/json"
+        assert response.getheader("x-admission-outcome") == "engine_unavailable"
+        assert response.getheader("retry-after") == str(pod.rendered.values["admission"]["retryAfterSeconds"])
+        assert doc["error"]["code"] == "engine_unavailable" and doc["error"]["type"] == "service_unavailable"

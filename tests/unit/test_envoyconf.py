@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import subprocess
@@ -141,11 +140,16 @@ def test_nothing_gated_means_no_bound_on_the_engine_cluster() -> None:
 
 
 def test_the_breakers_answer_is_shaped_like_the_services() -> None:
-    (mapper,) = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["local_reply_config"]["mappers"]
-    assert mapper["filter"] == {"response_flag_filter": {"flags": ["UO"]}}
+    service, *mappers = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["local_reply_config"]["mappers"]
+    # The service's own answers (details `admission_<outcome>`) come first and are left as they are.
+    assert service == {"filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": "response.code_details.startsWith('admission_')"}}}}
+    (mapper,) = [m for m in mappers if m["filter"] == {"response_flag_filter": {"flags": ["UO"]}}]
+    assert mapper["status_code"] == 503
     headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
     assert headers == {"retry-after": "5", "x-admission-outcome": "engine_overloaded"}
-    assert json.loads(mapper["body"]["inline_string"])["error"]["code"] == "engine_overloaded"
+    assert mapper["body_format_override"]["json_format"]["error"]["code"] == "engine_overloaded"
 
 
 def test_client_set_admission_headers_are_removed_before_routing() -> None:

@@ -427,3 +427,78 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
   configMap:
     name: {{ include "llm-admission.fullname" . }}-engines
 {{- end -}}
+
+{{/*
+Envoy's own answers in the service's shape (extproc/envoyconf.py LOCAL_REPLIES, field for field):
+an OpenAI-style JSON error body, x-admission-outcome, and Retry-After where a retry makes sense.
+The service's own answers (response code details admission_<outcome>) match the first mapper
+and are left exactly as they are; then, first match wins: the engine cluster's breaker (UO),
+the engine unreachable or gone before answering, timeouts, no route, a failed admission service
+with failureMode closed, Envoy's 413/431/400, and any other local reply with Envoy's status kept.
+*/}}
+{{- define "llm-admission.localReplyConfig" -}}
+{{- $cel := "envoy.access_loggers.extension_filters.cel" -}}
+{{- $celType := "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter" -}}
+{{- $details := "(%RESPONSE_CODE_DETAILS%)" -}}
+{{- $replies := list
+  (dict "code" "engine_overloaded" "status" 503 "type" "service_unavailable" "retry" true
+        "filter" (dict "response_flag_filter" (dict "flags" (list "UO")))
+        "message" "the engine is at capacity and the gateway holds no more requests for it; retry later")
+  (dict "code" "engine_unavailable" "status" 503 "type" "service_unavailable" "retry" true
+        "filter" (dict "response_flag_filter" (dict "flags" (list "UF" "UH" "UC" "UR" "LR" "URX" "UMSDR")))
+        "message" (printf "the engine could not be reached or closed the connection before answering; retry later %s" $details))
+  (dict "code" "engine_timeout" "status" 504 "type" "timeout_error" "retry" false
+        "filter" (dict "response_flag_filter" (dict "flags" (list "UT" "SI")))
+        "message" (printf "no answer from the engine within the gateway's timeout %s" $details))
+  (dict "code" "no_route" "status" 404 "type" "not_found_error" "retry" false
+        "filter" (dict "response_flag_filter" (dict "flags" (list "NR" "NC")))
+        "message" (printf "no route for this request %s" $details))
+  (dict "code" "admission_unavailable" "status" 503 "type" "service_unavailable" "retry" true
+        "filter" (dict "extension_filter" (dict "name" $cel "typed_config" (dict "@type" $celType "expression" "response.code_details.startsWith('ext_proc_')")))
+        "message" (printf "the admission service did not answer and the gateway fails closed; retry later %s" $details))
+  (dict "code" "body_too_large" "status" 413 "type" "invalid_request_error" "retry" false
+        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 413 "runtime_key" "admission.local_reply.status_413"))))
+        "message" (printf "request body exceeds the gateway's buffer limit %s" $details))
+  (dict "code" "headers_too_large" "status" 431 "type" "invalid_request_error" "retry" false
+        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 431 "runtime_key" "admission.local_reply.status_431"))))
+        "message" (printf "request headers exceed the gateway's limit %s" $details))
+  (dict "code" "bad_request" "status" 400 "type" "invalid_request_error" "retry" false
+        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 400 "runtime_key" "admission.local_reply.status_400"))))
+        "message" (printf "malformed HTTP request %s" $details))
+  (dict "code" "gateway_error" "status" 0 "type" "server_error" "retry" false
+        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "GE" "value" (dict "default_value" 0 "runtime_key" "admission.local_reply.any"))))
+        "message" (printf "%%LOCAL_REPLY_BODY%% %s" $details))
+-}}
+mappers:
+- filter:
+    extension_filter:
+      name: {{ $cel }}
+      typed_config:
+        "@type": {{ $celType }}
+        expression: "response.code_details.startsWith('admission_')"
+{{- range $r := $replies }}
+- filter:
+    {{- toYaml $r.filter | nindent 4 }}
+  {{- if $r.status }}
+  status_code: {{ $r.status }}
+  {{- end }}
+  headers_to_add:
+  {{- if $r.retry }}
+  - header:
+      key: retry-after
+      value: {{ int64 $.Values.admission.retryAfterSeconds | quote }}
+    append_action: OVERWRITE_IF_EXISTS_OR_ADD
+  {{- end }}
+  - header:
+      key: x-admission-outcome
+      value: {{ $r.code }}
+    append_action: OVERWRITE_IF_EXISTS_OR_ADD
+  body_format_override:
+    json_format:
+      error:
+        message: {{ $r.message | quote }}
+        type: {{ $r.type }}
+        code: {{ $r.code }}
+    content_type: application/json
+{{- end }}
+{{- end -}}
