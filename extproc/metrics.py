@@ -8,9 +8,25 @@ decision. Engine-level series carry `engine`; request-level series carry `engine
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .outcomes import REJECTED_REASONS, Outcome
+
+if TYPE_CHECKING:
+    from .config import Settings
+
 _PARK_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 300)
+#: How an admitted request got through (`admission_admitted_total{via}`).
+ADMITTED_VIA: tuple[Outcome, ...] = (Outcome.ADMITTED, Outcome.ADMITTED_AFTER_PARK, Outcome.ADMITTED_FAIL_OPEN)
+#: How a park can end (`admission_park_duration_seconds{outcome}`).
+PARK_ENDINGS: tuple[Outcome, ...] = (Outcome.ADMITTED_AFTER_PARK, Outcome.ADMITTED_FAIL_OPEN, Outcome.PARK_TIMEOUT,
+                                     Outcome.CLIENT_GONE, Outcome.SHUTTING_DOWN)
+#: Why a poll of the engine's /metrics failed (`engine_poll_failures_total{reason}`, extproc/observer.py).
+POLL_FAILURE_REASONS = ("unreachable", "timeout", "http_status", "unparsable")
+#: Why a request was not subject to admission (`admission_passthrough_total{reason}`, extproc/servicer.py).
+PASSTHROUGH_REASONS = ("path_not_gated", "no_models_configured")
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -78,3 +94,33 @@ class Metrics:
             "engine_poll_duration_seconds", "Time to fetch and parse the engine's /metrics.", ["engine"], registry=r)
         self.internal_errors = Counter(
             "extproc_internal_errors", "Requests admitted because the service hit an unexpected error.", registry=r)
+
+    def initialise(self, settings: Settings) -> None:
+        """Create every series whose labels the configuration already fixes, at 0.
+
+        A labelled series appears only once it is first touched, so a fresh dashboard would show
+        "No data" and `rate()`, `increase()` and alerts on it would have nothing to work on until
+        the first event. Every engine/model pair the configuration names gets its decision
+        counters (each way of being admitted, parks, each rejection reason, backfills), every
+        gated engine its stale transitions, poll failures by reason and park durations by ending. Models an engine only serves (learnt
+        from /v1/models at runtime) appear with their first request.
+        """
+        for reason in PASSTHROUGH_REASONS:
+            self.passthrough.labels(reason)
+        for engine in settings.engines:
+            if not engine.models:  # not gated, never polled
+                continue
+            name = engine.name
+            self.stale_total.labels(name)
+            for reason in POLL_FAILURE_REASONS:
+                self.poll_failures.labels(name, reason)
+            for outcome in PARK_ENDINGS:
+                self.park_duration.labels(name, outcome.value)
+            for model in engine.models:
+                for via in ADMITTED_VIA:
+                    self.admitted.labels(name, model, via.value)
+                self.parked.labels(name, model)
+                for reason in REJECTED_REASONS:
+                    self.rejected.labels(name, model, reason.value)
+                self.backfilled.labels(name, model)
+                self.estimated_prompt_tokens.labels(name, model)

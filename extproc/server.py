@@ -41,6 +41,7 @@ class Service:
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics(registry or CollectorRegistry())
+        self.metrics.initialise(settings)  # every configured label set at 0 before the first event
         self.admission = Admission(settings, self.metrics)
         self.observer = EngineObserver(settings, self.admission, self.metrics)
         self.models = ModelRegistry(settings)
