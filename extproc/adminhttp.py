@@ -1,4 +1,11 @@
-"""The operator-facing HTTP endpoints: /metrics, /healthz, /readyz and /debug/engines.
+"""The operator-facing HTTP endpoints: /metrics, /healthz, /readyz, /debug/engines, and the live
+status page (`/`, its static files under /static/, and the JSON it polls, /debug/status).
+
+The status page is read-only and shows no prompt content: per engine, the gauges of the last good
+poll and their age, capacity and reservations, each parked request's age and estimated size, the
+recent decisions, and charts of the last minutes. The charts' history is sampled here once a
+second (`StatusHistory`), so a page opened now already shows what happened before. Everything the
+page needs is served from the package (`extproc/static/`): no build step, no external CDN.
 
 /readyz is deliberately NOT tied to engine health: an engine metrics outage makes admission
 fail open, it must not take the gateway out of the Service (that would turn a metrics outage
@@ -8,14 +15,153 @@ begins.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
 from collections.abc import Callable
+from importlib import resources
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
+from . import __version__
 from .admission import Admission
-from .config import Settings
+from .config import EngineConfig, Settings
+from .gate import EngineGate
 from .metrics import Metrics
+from .outcomes import Outcome
+
+#: How often the status page's history is sampled, and how much of it is kept.
+HISTORY_INTERVAL_SECONDS = 1.0
+HISTORY_SECONDS = 600
+#: The static files the status page is made of (extproc/static/), with their content types.
+STATIC_FILES = {"index.html": "text/html", "status.js": "text/javascript", "status.css": "text/css"}
+
+#: What each outcome means, for the status page's list of recent decisions.
+OUTCOME_REASONS: dict[str, str] = {
+    Outcome.ADMITTED: "room on arrival",
+    Outcome.ADMITTED_AFTER_PARK: "waited, then room freed",
+    Outcome.ADMITTED_FAIL_OPEN: "engine state unknown or stale: admitted unchecked",
+    Outcome.PARKED: "no room: waiting in the park",
+    Outcome.QUEUE_FULL: "the park was full",
+    Outcome.PARK_TIMEOUT: "parked for the whole park cap",
+    Outcome.EXPECTED_WAIT_TOO_LONG: "expected wait beyond the park cap",
+    Outcome.EXCEEDS_KV_CAPACITY: "needs more KV than the engine has",
+    Outcome.SHUTTING_DOWN: "the service was stopping",
+    Outcome.CLIENT_GONE: "the client left while parked",
+}
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
+
+
+def _counter_total(counter: Counter, engine: str) -> float:
+    """Sum of a counter's `_total` samples for one engine."""
+    return sum(s.value for family in counter.collect() for s in family.samples
+               if s.name.endswith("_total") and s.labels.get("engine") == engine)
+
+
+class StatusHistory:
+    """The last HISTORY_SECONDS of each engine's load, KV, queue and decision rates, one sample a second."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, admission: Admission) -> None:
+        self._engines = [e.name for e in settings.engines]
+        self._metrics = metrics
+        self._admission = admission
+        size = int(HISTORY_SECONDS / HISTORY_INTERVAL_SECONDS)
+        self._samples: dict[str, deque[dict[str, Any]]] = {e: deque(maxlen=size) for e in self._engines}
+        self._totals: dict[str, tuple[float, float, float]] = {}  # engine: (time, admitted, rejected)
+        self._task: asyncio.Task[None] | None = None
+
+    def sample(self) -> None:
+        now = time.time()
+        for name in self._engines:
+            gate = self._admission.gate(name)
+            snap = gate.snapshot
+            admitted = _counter_total(self._metrics.admitted, name)
+            rejected = _counter_total(self._metrics.rejected, name)
+            before = self._totals.get(name)
+            self._totals[name] = (now, admitted, rejected)
+            span = now - before[0] if before else 0.0
+            self._samples[name].append({
+                "t": round(now, 3),
+                "load": gate.effective_load(),
+                "kv_usage": None if snap is None else snap.kv_usage,
+                "queue": gate.queue_depth,
+                "inflight": gate.inflight,
+                "admitted_per_s": round((admitted - before[1]) / span, 3) if before and span > 0 else None,
+                "rejected_per_s": round((rejected - before[2]) / span, 3) if before and span > 0 else None,
+            })
+
+    def samples(self, engine: str) -> list[dict[str, Any]]:
+        return list(self._samples[engine])
+
+    async def _run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(HISTORY_INTERVAL_SECONDS)
+
+    async def start(self, _: web.Application) -> None:
+        self._task = asyncio.create_task(self._run(), name="status-history")
+
+    async def stop(self, _: web.Application) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+def engine_status(engine: EngineConfig, gate: EngineGate, admission: Admission, settings: Settings) -> dict[str, Any]:
+    """One engine as the status page shows it: views of the gate and its recent decisions only."""
+    now = admission.now()
+    snap = gate.snapshot
+    limits = gate.limits
+    budgeting = limits.kv_budget and limits.local_accounting
+    queue = []
+    for position, ticket in enumerate(gate.queued(), start=1):
+        queue.append({
+            "position": position, "model": ticket.model, "age_s": round(max(0.0, now - ticket.arrived), 3),
+            "tokens": ticket.tokens, "cost_tokens": gate.cost(ticket),
+            "expires_in_s": None if ticket.park_deadline is None else round(ticket.park_deadline - now, 3),
+        })
+    recent = [{
+        "age_s": round(max(0.0, now - d.at), 3), "model": d.model, "outcome": d.outcome,
+        "reason": OUTCOME_REASONS.get(d.outcome, d.outcome), "tokens": d.tokens,
+        "waited_s": round(d.waited, 3), "retry_after": d.retry_after,
+    } for d in reversed(admission.recent(engine.name))]
+    return {
+        "name": engine.name,
+        "models": list(engine.models),
+        "gated": bool(engine.models),
+        "state": gate.state.value,
+        "gate_open": gate.is_open(),
+        "snapshot": None if snap is None else {
+            "running": snap.running, "waiting": snap.waiting, "kv_usage": snap.kv_usage,
+            "capacity_tokens": snap.capacity_tokens, "block_size": snap.block_size,
+            "age_s": round(max(0.0, now - snap.scrape_started), 3),
+        },
+        "limits": {
+            "max_inflight": limits.max_inflight,
+            "engine_queue_slots": limits.engine_queue_slots if budgeting else 0,
+            "kv_threshold": limits.kv_threshold, "max_queue_depth": limits.max_queue_depth,
+            "max_park_seconds": limits.max_park_seconds, "kv_budget": budgeting,
+            "poll_interval_s": settings.poll_interval, "stale_after_polls": limits.stale_after_polls,
+        },
+        "effective_load": gate.effective_load(),
+        "inflight": gate.inflight,
+        "queue_depth": gate.queue_depth,
+        "capacity_tokens": gate.capacity_tokens,
+        "reserved_tokens": gate.reserved_tokens,
+        "available_tokens": gate.available_tokens(),
+        "completion_rate_per_s": _finite(gate.completion_rate()),
+        "queue": queue,
+        "recent": recent,
+    }
 
 
 def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: Callable[[], bool]) -> web.Application:
@@ -54,9 +200,44 @@ def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: 
             }
         return web.json_response(doc)
 
+    history = StatusHistory(settings, metrics, admission)
+    started = time.time()
+
+    async def status(_: web.Request) -> web.Response:
+        doc = {
+            "version": __version__, "now": time.time(), "uptime_s": round(time.time() - started, 3),
+            "ready": ready(), "history_interval_s": HISTORY_INTERVAL_SECONDS,
+            "engines": [
+                {**engine_status(e, admission.gate(e.name), admission, settings), "history": history.samples(e.name)}
+                for e in settings.engines
+            ],
+        }
+        return web.json_response(doc, headers={"Cache-Control": "no-store"})
+
+    async def page(_: web.Request) -> web.Response:
+        return _static("index.html")
+
+    async def static(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC_FILES:
+            raise web.HTTPNotFound()
+        return _static(name)
+
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/debug/engines", engines)
+    app.router.add_get("/debug/status", status)
+    app.router.add_get("/", page)
+    app.router.add_get("/static/{name}", static)
+    app.on_startup.append(history.start)
+    app.on_cleanup.append(history.stop)
     return app
+
+
+def _static(name: str) -> web.Response:
+    body = resources.files("extproc").joinpath("static", name).read_bytes()
+    return web.Response(body=body, content_type=STATIC_FILES[name], charset="utf-8",
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                                 "Content-Security-Policy": "default-src 'self'; img-src 'self' data:"})

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # System packages the tests use beyond PyPI, from Debian:
 # - `prometheus` (prometheus + promtool) for the alert-rule and live observability tests;
-# - `redis-server` for the shared ledger's unit, property and integration tests.
+# - `redis-server` for the shared ledger's unit, property and integration tests;
+# - `chromium` (headless) for the status page test, which renders the page in a real browser.
 # Installed when missing and apt-get is usable (root); otherwise those tests skip with a reason
 # (and fail under CI=true).
 set -euo pipefail
 missing=()
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
