@@ -16,8 +16,8 @@ WORKDIR /src
 # simulator and the benchmarks (tests' tools) stay out of the image.
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
-RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
- && python -m venv /opt/llm-admission \
+RUN python -m venv /opt/llm-admission \
+ && /opt/llm-admission/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/llm-admission/bin/pip install --no-compile /wheels/llm_admission-*.whl \
  && rm -f /opt/llm-admission/bin/enginesim \
  && /opt/llm-admission/bin/python -m compileall -q /opt/llm-admission/lib \
