@@ -365,6 +365,27 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: {{ $a.logLevel | quote }}
   - name: EXTPROC_LOG_FORMAT
     value: {{ $a.logFormat | quote }}
+  {{- $l := .Values.ledger }}
+  - name: ADMISSION_LEDGER
+    value: {{ $l.backend | quote }}
+  {{- if eq $l.backend "redis" }}
+  {{- /* The schema guarantees exactly one of url and existingSecret. */}}
+  - name: ADMISSION_REDIS_URL
+  {{- if $l.redis.existingSecret }}
+    valueFrom:
+      secretKeyRef:
+        name: {{ $l.redis.existingSecret | quote }}
+        key: {{ $l.redis.secretKey | quote }}
+  {{- else }}
+    value: {{ $l.redis.url | quote }}
+  {{- end }}
+  - name: ADMISSION_LEDGER_LEASE_SECONDS
+    value: {{ $l.leaseSeconds | toString | quote }}
+  - name: ADMISSION_LEDGER_TIMEOUT_MS
+    value: {{ $l.timeoutMs | toString | quote }}
+  - name: ADMISSION_LEDGER_KEY_PREFIX
+    value: {{ include "llm-admission.ledgerKeyPrefix" . | quote }}
+  {{- end }}
   {{- with $a.extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
