@@ -129,7 +129,7 @@ def _route(match: dict[str, Any], cluster: str, engine: EngineConfig | None = No
 
 def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
     """Gated paths to each engine's bounded cluster (by the service's header with several engines,
-    else, as when the service is down, the first engine's); everything else to the first engine's
+    503 when it named none; the first engine's with one); everything else to the first engine's
     ungated cluster."""
     engines, first = settings.engines, settings.engines[0]
     if not settings.gating or not bound:
@@ -137,8 +137,15 @@ def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
         return routes + [_route({"prefix": "/"}, first.cluster)]
     gated = [{"path": path} for path in settings.gated_paths]
     gated.append({"safe_regex": {"regex": ESCAPED_SEPARATOR_REGEX}})
-    routes = [_route(m, e.cluster, e) for e in engines for m in gated] if len(engines) > 1 else []
-    routes += [_route(m, first.cluster) for m in gated]
+    if len(engines) > 1:
+        routes = [_route(m, e.cluster, e) for e in engines for m in gated]
+        # No engine named: the service did not answer (down, or late and Envoy failed open). Only
+        # it knows which engine serves the model, so Envoy answers 503 rather than guess
+        # (`engine_not_selected`, a local reply with details `direct_response`).
+        routes += [{"match": m, "direct_response": {"status": ENVOY_REJECTIONS[Outcome.ENGINE_NOT_SELECTED].status}}
+                   for m in gated]
+    else:
+        routes = [_route(m, first.cluster) for m in gated]
     routes.append(_route({"prefix": "/"}, first.cluster + UNGATED_CLUSTER_SUFFIX))
     return routes
 
@@ -174,6 +181,11 @@ def _details_prefix(prefix: str) -> dict[str, Any]:
         "@type": _CEL_TYPE, "expression": f"response.code_details.startsWith('{prefix}')"}}}
 
 
+def _details(details: str) -> dict[str, Any]:
+    return {"extension_filter": {"name": _CEL_FILTER, "typed_config": {
+        "@type": _CEL_TYPE, "expression": f"response.code_details == '{details}'"}}}
+
+
 #: Every local reply the generated config can produce, first match wins (after the service's own
 #: answers). Verified on Envoy 1.40: connect refused = UF, no endpoint = UH, reset before the
 #: response = UC/UR/LR, stream idle timeout = SI (504), a failed ext_proc call with
@@ -191,6 +203,9 @@ LOCAL_REPLIES: tuple[LocalReply, ...] = (
     LocalReply(Outcome.ADMISSION_UNAVAILABLE, _details_prefix("ext_proc_"),
                "the admission service did not answer and the gateway fails closed; retry later "
                "(%RESPONSE_CODE_DETAILS%)"),
+    LocalReply(Outcome.ENGINE_NOT_SELECTED, _details("direct_response"),
+               "the admission service did not say which engine serves this model (it is down or did not "
+               "answer in time) and the gateway does not guess among several engines; retry later"),
     LocalReply(Outcome.BODY_TOO_LARGE, _status(413),
                "request body exceeds the gateway's buffer limit (%RESPONSE_CODE_DETAILS%)"),
     LocalReply(Outcome.HEADERS_TOO_LARGE, _status(431),

@@ -41,6 +41,7 @@ class Outcome(enum.StrEnum):
     ENGINE_UNAVAILABLE = "engine_unavailable"  # connect failure, no healthy host, reset before answering
     ENGINE_TIMEOUT = "engine_timeout"  # nothing sent or received for the stream idle timeout
     ADMISSION_UNAVAILABLE = "admission_unavailable"  # the service failed and Envoy fails closed
+    ENGINE_NOT_SELECTED = "engine_not_selected"  # several engines and the service named none: no guessing
     NO_ROUTE = "no_route"
     HEADERS_TOO_LARGE = "headers_too_large"
     BAD_REQUEST = "bad_request"  # not parsable as HTTP
@@ -88,6 +89,7 @@ ENVOY_REJECTIONS: dict[Outcome, Rejection] = {
     Outcome.ENGINE_UNAVAILABLE: Rejection(503, "service_unavailable", retry_after=True),
     Outcome.ENGINE_TIMEOUT: Rejection(504, "timeout_error", retry_after=False),
     Outcome.ADMISSION_UNAVAILABLE: Rejection(503, "service_unavailable", retry_after=True),
+    Outcome.ENGINE_NOT_SELECTED: Rejection(503, "service_unavailable", retry_after=True),
     Outcome.NO_ROUTE: Rejection(404, "not_found_error", retry_after=False),
     Outcome.HEADERS_TOO_LARGE: Rejection(431, "invalid_request_error", retry_after=False),
     Outcome.BAD_REQUEST: Rejection(400, "invalid_request_error", retry_after=False),

@@ -252,12 +252,14 @@ def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) ->
     mistral = clusters["engine_mistral-small"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     assert mistral["endpoint"]["address"]["socket_address"] == {"address": "mistral.models.svc.cluster.local", "port_value": 80}
     routes = _hcm(r.envoy)["route_config"]["virtual_hosts"][0]["routes"]
-    picked = [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"), rt["route"]["cluster"])
+    picked = [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"),
+               rt["route"]["cluster"] if "route" in rt else rt["direct_response"])
               for rt in routes]
     gated = len(r.values["admission"]["gatedPaths"]) + 1  # each gated path + escaped separators
+    # No engine named by the service: 503 engine_not_selected, never a guess.
     assert picked == (
         [("qwen", "engine_qwen")] * gated + [("llama", "engine_llama")] * gated
-        + [("mistral-small", "engine_mistral-small")] * gated + [(None, "engine_qwen")] * gated
+        + [("mistral-small", "engine_mistral-small")] * gated + [(None, {"status": 503})] * gated
         + [(None, "engine_qwen_ungated")])
     assert all(rt["match"].get("headers", [{}])[0].get("name", "x-admission-engine") == "x-admission-engine" for rt in routes)
     # One engine: gated paths to its bounded cluster without a header match, the rest ungated.

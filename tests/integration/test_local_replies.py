@@ -13,13 +13,14 @@ import json
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from extproc.devstack import wait_until
+from extproc.devstack import free_port, wait_until
 from extproc.envoyconf import LOCAL_REPLIES
 from extproc.outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome
 
-from .conftest import Stack
+from .conftest import Stack, two_engine_env
 from .http import Reply, chat_body, get, post
 
 URL = "/v1/chat/completions"
@@ -108,6 +109,19 @@ def test_an_engine_that_dies_or_refuses_and_a_failed_service(make_stack: Callabl
     local.extproc.stop()
     error = _shaped(post(stack.url + URL, chat_body(max_tokens=2)), Outcome.ADMISSION_UNAVAILABLE, retry=True)
     assert "ext_proc_error" in error["message"]
+
+
+def test_with_several_engines_a_request_no_engine_was_chosen_for_is_refused_not_misrouted(
+        make_stack: Callable[..., Stack], tmp_path: Path) -> None:
+    sim_port = free_port()
+    stack = make_stack(two_engine_env(tmp_path, sim_port, free_port(), "model-b"), sim_port=sim_port)
+    assert stack.local.extproc is not None
+    stack.local.extproc.kill()  # Envoy fails open: the request reaches the router without an engine
+    reply = post(stack.url + URL, chat_body(model="model-b", max_tokens=2), {"x-request-id": "b"})
+    error = _shaped(reply, Outcome.ENGINE_NOT_SELECTED, retry=True)
+    assert "does not guess" in error["message"]
+    assert stack.arrivals() == []  # engine a never saw engine b's request
+    assert get(stack.url + "/v1/models").status == 200  # ungated paths keep the default route
 
 
 def test_every_envoy_outcome_has_a_local_reply() -> None:

@@ -98,11 +98,13 @@ def test_several_engines_get_a_cluster_each_and_routes_on_the_routing_header(tmp
     names = [c["name"] for c in doc["static_resources"]["clusters"]]
     assert names == ["extproc", "engine_big", "engine_small", "engine_big_ungated"]
     routes = _hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    picked = [(r["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"), r["route"]["cluster"])
+    picked = [(r["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"),
+               r["route"]["cluster"] if "route" in r else r["direct_response"])
               for r in routes]
     gated = len(settings.gated_paths) + 1  # each gated path, and any path with an escaped separator
+    # A gated path without the service's header (it did not answer) is answered 503: no guessing.
     assert picked == ([("big", "engine_big")] * gated + [("small", "engine_small")] * gated
-                      + [(None, "engine_big")] * gated + [(None, "engine_big_ungated")])
+                      + [(None, {"status": 503})] * gated + [(None, "engine_big_ungated")])
     _validate(yaml.safe_dump(doc), tmp_path)
 
 

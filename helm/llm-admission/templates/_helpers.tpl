@@ -455,7 +455,8 @@ an OpenAI-style JSON error body, x-admission-outcome, and Retry-After where a re
 The service's own answers (response code details admission_<outcome>) match the first mapper
 and are left exactly as they are; then, first match wins: the engine cluster's breaker (UO),
 the engine unreachable or gone before answering, timeouts, no route, a failed admission service
-with failureMode closed, Envoy's 413/431/400, and any other local reply with Envoy's status kept.
+with failureMode closed, a gated request no engine was named for (several engines: the route's
+direct 503), Envoy's 413/431/400, and any other local reply with Envoy's status kept.
 */}}
 {{- define "llm-admission.localReplyConfig" -}}
 {{- $cel := "envoy.access_loggers.extension_filters.cel" -}}
@@ -477,6 +478,9 @@ with failureMode closed, Envoy's 413/431/400, and any other local reply with Env
   (dict "code" "admission_unavailable" "status" 503 "type" "service_unavailable" "retry" true
         "filter" (dict "extension_filter" (dict "name" $cel "typed_config" (dict "@type" $celType "expression" "response.code_details.startsWith('ext_proc_')")))
         "message" (printf "the admission service did not answer and the gateway fails closed; retry later %s" $details))
+  (dict "code" "engine_not_selected" "status" 503 "type" "service_unavailable" "retry" true
+        "filter" (dict "extension_filter" (dict "name" $cel "typed_config" (dict "@type" $celType "expression" "response.code_details == 'direct_response'")))
+        "message" "the admission service did not say which engine serves this model (it is down or did not answer in time) and the gateway does not guess among several engines; retry later")
   (dict "code" "body_too_large" "status" 413 "type" "invalid_request_error" "retry" false
         "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 413 "runtime_key" "admission.local_reply.status_413"))))
         "message" (printf "request body exceeds the gateway's buffer limit %s" $details))
