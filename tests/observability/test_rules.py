@@ -22,6 +22,8 @@ REQUIRED = {
     "LLMAdmissionHighRejectionRatio": "admission_rejected_total",
     "VLLMPreemptions": "vllm[:_]num_preemptions_total",
     "LLMAdmissionServiceDown": 'up{job="llm-admission"}',
+    "AdmissionLedgerDegraded": "admission_ledger_degraded",
+    "AdmissionLedgerLeasesExpiring": "admission_ledger_lease_expiries_total",
 }
 
 
