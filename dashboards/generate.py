@@ -14,7 +14,10 @@ name to its models in PromQL, so the gateway's view and vLLM's own series sit si
 one panel each: a gap between the two lines is the disagreement to look at.
 
 Every query must return data on a live stack: tests/observability evaluates each one against a
-real Prometheus scraping the service and the simulator.
+real Prometheus scraping the service and the simulator. The service there runs the redis ledger
+(ADMISSION_LEDGER=redis on a throwaway redis-server), the only configuration in which the
+`admission_ledger_*` series of the "Shared ledger (Redis)" row exist; every other series is the
+same with either ledger.
 """
 
 from __future__ import annotations
@@ -260,6 +263,48 @@ def build() -> dict[str, object]:
                        f"(rate({vllm('time_to_first_token_seconds_bucket')}[{RATE}])))", "p50: {{model_name}}"),
             query("B", "histogram_quantile(0.95, sum by (le, model_name) "
                        f"(rate({vllm('time_to_first_token_seconds_bucket')}[{RATE}])))", "p95: {{model_name}}"),
+        ))
+        # Only with ADMISSION_LEDGER=redis (chart: ledger.backend) do these series exist; with a
+        # local ledger the row stays empty.
+        .with_row(db.Row("Shared ledger (Redis)"))
+        .with_panel(panel(
+            "Ledger degraded: replicas deciding alone",
+            "Replicas whose Redis calls fail or take longer than ADMISSION_LEDGER_TIMEOUT_MS, per engine: "
+            "each decides alone from its last view (the soft budget of a local ledger) until Redis "
+            "answers. Alert AdmissionLedgerDegraded fires after 1 minute. Also the transitions into "
+            "degraded mode, all engines together. Empty unless the ledger is redis.",
+            "short",
+            query("A", f"sum by (engine) (admission_ledger_degraded{{{GW}}})", "deciding alone: {{engine}}"),
+            query("B", f"sum(increase(admission_ledger_degraded_transitions_total[{RATE}]))", "went degraded"),
+        ))
+        .with_panel(panel(
+            "Ledger round trip p50 / p99, by operation",
+            "One Redis call: commit (write a new gate state if nobody else did), check (a decision that "
+            "changed nothing still checks the version), read. A decision takes one, two under "
+            "contention; ADMISSION_LEDGER_TIMEOUT_MS bounds each.",
+            "s",
+            query("A", "histogram_quantile(0.5, sum by (le, op) "
+                       f"(rate(admission_ledger_round_trip_seconds_bucket[{RATE}])))", "p50: {{op}}"),
+            query("B", "histogram_quantile(0.99, sum by (le, op) "
+                       f"(rate(admission_ledger_round_trip_seconds_bucket[{RATE}])))", "p99: {{op}}"),
+        ))
+        .with_panel(panel(
+            "Ledger conflicts per second",
+            "Commits that met another replica's newer state and ran the event again on it (one more "
+            "round trip each): contention between replicas on one engine.",
+            "reqps",
+            query("A", f"sum by (engine) (rate(admission_ledger_conflicts_total{{{GW}}}[{RATE}]))",
+                  "conflicts: {{engine}}"),
+        ))
+        .with_panel(panel(
+            "Ledger lease expiries",
+            "Requests dropped from the shared state because their replica stopped renewing its lease: "
+            "it died (SIGKILL, OOM, node lost) or lost Redis. Their capacity returned to the other "
+            "replicas. Alert AdmissionLedgerLeasesExpiring fires on any.",
+            "short",
+            query("A", f"sum by (engine) (increase(admission_ledger_lease_expiries_total{{{GW}}}[{RATE}]))",
+                  "expired: {{engine}}"),
+            bars=True,
         ))
     )
     return json.loads(JSONEncoder(sort_keys=True).encode(dash.build()))

@@ -46,6 +46,12 @@ def test_dashboard_has_the_required_panels_on_the_right_series() -> None:
         "vLLM preemptions": ["vllm[:_]num_preemptions_total"],
         "vLLM time to first token p50 / p95": ["histogram_quantile(0.5", "histogram_quantile(0.95",
                                                "vllm[:_]time_to_first_token_seconds_bucket"],
+        "Ledger degraded: replicas deciding alone": ["admission_ledger_degraded{",
+                                                     "admission_ledger_degraded_transitions_total"],
+        "Ledger round trip p50 / p99, by operation": ["histogram_quantile(0.5", "histogram_quantile(0.99",
+                                                      "by (le, op)", "admission_ledger_round_trip_seconds_bucket"],
+        "Ledger conflicts per second": ["admission_ledger_conflicts_total"],
+        "Ledger lease expiries": ["admission_ledger_lease_expiries_total"],
     }
     for title, needles in required.items():
         assert title in by_title, title

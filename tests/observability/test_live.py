@@ -1,12 +1,15 @@
 """A real Prometheus scrapes the real stack: every dashboard query returns data, the alerts fire.
 
 The stack is the one `make run` starts (simulator + `extproc serve` + Envoy, extproc.devstack),
-with fast clocks. Prometheus (the Debian package's binary) scrapes the service as
-job="llm-admission" and the simulator as job="vllm", once a second, and loads
-alerts/llm-admission.rules.yml. The test drives admissions, parks, park timeouts, queue-full
-rejections, an unknown model, an ungated path and a short engine outage, then evaluates every
-query of the committed dashboard through Prometheus' HTTP API, then breaks the engine's metrics
-and stops the service and watches the alert expressions turn true.
+with fast clocks and the shared ledger on a throwaway redis-server (ADMISSION_LEDGER=redis: the
+`admission_ledger_*` series the dashboard's "Shared ledger (Redis)" row and two alerts use exist
+only then; every other series is exported with either ledger). Prometheus (the Debian package's
+binary) scrapes the service as job="llm-admission" and the simulator as job="vllm", once a
+second, and loads alerts/llm-admission.rules.yml. The test drives admissions, parks, park
+timeouts, queue-full rejections, an unknown model, an ungated path and a short engine outage,
+then evaluates every query of the committed dashboard through Prometheus' HTTP API, then stops
+Redis, breaks the engine's metrics and stops the service and watches the alert expressions turn
+true. (The lease-expiry alert needs a second replica to die: its promtool unit test covers it.)
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.devstack import LocalStack, free_port, http_get, wait_until
+from extproc.devstack import LocalStack, RedisServer, free_port, http_get, wait_until
 
 from .dashboard_queries import concrete, dashboard, targets
-from .tools import prometheus_binary  # noqa: F401  (fixture)
+from .tools import prometheus_binary, redis_server_binary  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
 
@@ -105,17 +108,21 @@ def finite(result: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def observed(tmp_path: Path, prometheus_binary: str) -> Iterator[tuple[LocalStack, Prometheus]]:
+def observed(tmp_path: Path, prometheus_binary: str,
+             redis_server_binary: str) -> Iterator[tuple[LocalStack, Prometheus, RedisServer]]:
+    redis = RedisServer(tmp_path / "redis")
     stack = LocalStack(workdir=tmp_path / "stack", extproc_env=SERVICE_ENV)
     prometheus: Prometheus | None = None
     try:
+        redis.start()
+        stack.extproc_env = {**SERVICE_ENV, "ADMISSION_LEDGER": "redis", "ADMISSION_REDIS_URL": redis.url}
         stack.start()
         prometheus = Prometheus(prometheus_binary, tmp_path, {
             "llm-admission": f"127.0.0.1:{stack.admin_port}",
             "vllm": f"127.0.0.1:{stack.sim_port}",
         })
         prometheus.wait_ready()
-        yield stack, prometheus
+        yield stack, prometheus, redis
     except BaseException:
         print(stack.logs())
         if prometheus is not None:
@@ -125,6 +132,7 @@ def observed(tmp_path: Path, prometheus_binary: str) -> Iterator[tuple[LocalStac
         if prometheus is not None:
             prometheus.stop()
         stack.stop()
+        redis.stop()
 
 
 # --- driving the stack -----------------------------------------------------------------------
@@ -206,8 +214,8 @@ def wait_for(prometheus: Prometheus, expr: str, what: str, timeout: float = 30.0
 
 
 def test_every_dashboard_query_has_data_and_the_alerts_fire_on_a_live_stack(
-        observed: tuple[LocalStack, Prometheus]) -> None:
-    stack, prometheus = observed
+        observed: tuple[LocalStack, Prometheus, RedisServer]) -> None:
+    stack, prometheus, redis = observed
     wait_for(prometheus, 'up{job="llm-admission"} == 1', "the first scrape of the service")
     wait_for(prometheus, 'up{job="vllm"} == 1', "the first scrape of the simulator")
     drive(stack)
@@ -236,6 +244,14 @@ def test_every_dashboard_query_has_data_and_the_alerts_fire_on_a_live_stack(
     assert running
 
     rules = {r["alert"]: r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+
+    # Stop Redis: the next decision cannot reach the shared ledger, the replica decides alone
+    # (the request is still served) and the ledger-degraded alert's expression turns true.
+    assert prometheus.query(rules["AdmissionLedgerDegraded"]) == []
+    redis.stop()
+    assert chat(stack)[0] == 200
+    ledger = wait_for(prometheus, rules["AdmissionLedgerDegraded"], "the ledger-degraded alert expression")
+    assert [(s["metric"]["engine"], s["metric"]["job"], s["value"][1]) for s in ledger] == [("default", "llm-admission", "1")]
 
     # Break the engine's metrics: the degraded alert's expression turns true, and Prometheus
     # evaluates the rule to pending (for: 1m) on its own.

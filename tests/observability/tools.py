@@ -1,4 +1,5 @@
-"""Find the Prometheus binaries (Debian package `prometheus`, installed by .ci/run).
+"""Find the Prometheus binaries (Debian package `prometheus`) and `redis-server` (package
+`redis-server`), both installed by `make system-deps`.
 
 Outside CI a missing binary skips the tests that need it, with the reason; in CI (CI=true) it
 fails them, so a broken CI image cannot pass by skipping.
@@ -12,11 +13,11 @@ import shutil
 import pytest
 
 
-def require_binary(name: str) -> str:
+def require_binary(name: str, package: str = "prometheus") -> str:
     path = shutil.which(name)
     if path:
         return path
-    message = f"{name} not found on PATH (Debian: apt-get install prometheus; .ci/run installs it)"
+    message = f"{name} not found on PATH (Debian: apt-get install {package}; make system-deps installs it)"
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI=true and {message}")
     pytest.skip(message)
@@ -30,3 +31,8 @@ def promtool() -> str:
 @pytest.fixture(scope="session")
 def prometheus_binary() -> str:
     return require_binary("prometheus")
+
+
+@pytest.fixture(scope="session")
+def redis_server_binary() -> str:
+    return require_binary("redis-server", "redis-server")
