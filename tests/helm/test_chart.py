@@ -99,7 +99,10 @@ def test_envoy_drains_in_prestop_and_the_grace_period_covers_the_drain(rendered:
     envoy, service = rendered.container("envoy"), rendered.container("admission")
     assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/bash", "/etc/envoy/prestop.sh"]
     script = rendered.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
-    assert "POST '/drain_listeners?graceful'" in script
+    # Graceful and without closing the listeners: new connections are served while the pod's
+    # removal from the endpoints spreads, for at least envoy.drainTimeSeconds.
+    assert "POST '/drain_listeners?graceful&skip_exit'" in script
+    assert f"\nsleep {_merged(rendered)['envoy']['drainTimeSeconds']}\n" in script
     drain = int(re.search(r"deadline=\$\(\( \$\(date \+%s\) \+ (\d+) \)\)", script).group(1))
     park = _park_cap(rendered)
     merged_allowance = _merged(rendered)["shutdown"]["inflightAllowanceSeconds"]

@@ -145,13 +145,10 @@ def test_prestop_drains_envoy_until_the_request_in_flight_ends_then_the_service_
             time.sleep(2.0)
             assert envoy_hook.poll() is None, "Envoy's preStop returned while a request was still in flight"
             assert service_hook.poll() is None, "the service's preStop returned while Envoy was running"
-            # Drained: the inference listener no longer takes new connections once --drain-time-s passed.
-            probe = http.client.HTTPConnection("127.0.0.1", pod.port("envoy", "port"), timeout=2)
-            try:
-                with pytest.raises(OSError):
-                    probe.connect()
-            finally:
-                probe.close()
+            # Draining, past --drain-time-s: a client still sent here (the endpoint removal has not
+            # reached it yet) is served, not refused, and told to close its connection.
+            status, connection = _get_models(pod)
+            assert (status, connection) == (200, "close")
             pod.sim_control("/control/hold", {"hold": False})
             assert in_flight.result(timeout=20) == 200  # the request in flight finished normally
             assert envoy_hook.wait(timeout=10) == 0
@@ -233,6 +230,17 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
             child.stop()
 
 
+def _get_models(pod: Pod) -> tuple[int, str | None]:
+    conn = http.client.HTTPConnection("127.0.0.1", pod.port("envoy", "port"), timeout=10)
+    try:
+        conn.request("GET", "/v1/models")
+        response = conn.getresponse()
+        response.read()
+        return response.status, response.getheader("connection")
+    finally:
+        conn.close()
+
+
 def _chat(port: int) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
@@ -260,3 +268,22 @@ def test_the_rendered_envoys_own_answers_are_shaped_like_the_services(pod: Pod) 
         assert response.getheader("x-admission-outcome") == "engine_unavailable"
         assert response.getheader("retry-after") == str(pod.rendered.values["admission"]["retryAfterSeconds"])
         assert doc["error"]["code"] == "engine_unavailable" and doc["error"]["type"] == "service_unavailable"
+
+
+def test_prestop_on_an_idle_pod_keeps_serving_new_connections_for_the_minimum_drain(pod: Pod) -> None:
+    """Nothing in flight: the hook still waits envoy.drainTimeSeconds, serving whoever still comes."""
+    prestop = pod.workdir / "prestop.sh"
+    prestop.write_text(pod.rendered.one("ConfigMap", "-envoy")["data"]["prestop.sh"])
+    minimum = pod.rendered.values["envoy"]["drainTimeSeconds"]
+    started = time.monotonic()
+    hook = subprocess.Popen(["/bin/bash", str(prestop)])
+    try:
+        assert _get_models(pod) == (200, "close")  # served while draining; told to close
+        assert pod.chat() == 200
+        assert hook.wait(timeout=30) == 0
+        assert time.monotonic() - started >= minimum
+        assert _get_models(pod)[0] == 200  # the listener is still open until the kubelet stops Envoy
+    finally:
+        if hook.poll() is None:
+            hook.kill()
+            hook.wait()
