@@ -1,8 +1,15 @@
-"""The asyncio side of admission: one EngineGate per engine, futures for parked requests.
+"""The asyncio side of admission: futures for parked requests, a timer, metrics; the gates' state
+lives in a ledger (`extproc/ledger.py`): this process's memory, or Redis shared by replicas.
 
-The gates decide; this class only turns their decisions into resolved futures, keeps one timer
-for the earliest park deadline, and updates the metrics. All methods run on the event loop
-thread, so the gates need no locks.
+Every event (arrival, finish, scrape, expiry, shutdown) is one ledger transaction running one
+pure gate method; this class turns the decisions about its own requests into resolved futures,
+keeps one timer for the earliest park deadline, and updates the metrics. All methods run on the
+event loop thread. With the local ledger no transaction waits, so every event takes effect
+before its caller resumes, as if the gate were called directly.
+
+A decision about one of this replica's parked requests can come from its own transaction or,
+with a shared ledger, from another replica's (a completion there released it): both arrive in
+`_apply`, which resolves the request's future exactly once.
 """
 
 from __future__ import annotations
@@ -11,12 +18,13 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client import Gauge
 
 from .config import EngineConfig, Settings
-from .gate import Decision, EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket, TicketState
+from .gate import Decision, EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket
+from .ledger import Ledger, LocalLedger
 from .metrics import Metrics
 from .outcomes import Outcome
 
@@ -45,54 +53,77 @@ class RecentDecision:
 @dataclass
 class _Engine:
     config: EngineConfig
-    gate: EngineGate
     gauges: list[tuple[Gauge, Callable[[EngineGate], float]]]  # engine-labelled gauges and their source
     timer: asyncio.TimerHandle | None = None
+    timer_for: float | None = None  # the park deadline the timer is armed for
     recent: deque[RecentDecision] = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))
+    parked: set[int] = field(default_factory=set)  # ids of our parked tickets not yet decided
+    waiters: dict[int, asyncio.Future[Decision]] = field(default_factory=dict)  # until `wait` collects them
+    open: dict[int, Ticket] = field(default_factory=dict)  # ours admitted (counted), stream open, by id
+
+
+def gate_limits(settings: Settings, engine: EngineConfig) -> GateLimits:
+    """The gate's limits for one engine, from the validated settings."""
+    return GateLimits(
+        max_inflight=engine.limits.max_inflight,
+        kv_threshold=engine.limits.kv_threshold,
+        max_queue_depth=engine.limits.max_queue_depth,
+        max_park_seconds=engine.limits.max_park_seconds,
+        stale_after_polls=settings.stale_after_polls,
+        local_accounting=settings.local_accounting,
+        scrape_grace_seconds=settings.scrape_grace_seconds,
+        kv_budget=settings.kv_budget,
+        kv_capacity_override=engine.limits.kv_capacity_tokens,
+        backfill=settings.backfill,
+        retry_after_seconds=settings.retry_after_seconds,
+        engine_queue_slots=settings.engine_queue_slots,
+        wait_estimates=settings.wait_estimates,
+    )
 
 
 class Admission:
-    def __init__(self, settings: Settings, metrics: Metrics, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, clock: Callable[[], float] | None = None,
+                 ledger: Ledger | None = None) -> None:
         self._metrics = metrics
         self._clock = clock
-        self._waiters: dict[Ticket, asyncio.Future[Decision]] = {}
+        self._ledger: Ledger = ledger or LocalLedger({e.name: gate_limits(settings, e) for e in settings.engines})
         self._engines: dict[str, _Engine] = {}
         self._closing = False
         self._idle: asyncio.Event | None = None  # set when the last admitted request ends (wait_idle)
         self._retry_after = settings.retry_after_seconds
+        self._pending: set[asyncio.Task[None]] = set()  # ledger events started by sync callers
         for engine in settings.engines:
-            limits = GateLimits(
-                max_inflight=engine.limits.max_inflight,
-                kv_threshold=engine.limits.kv_threshold,
-                max_queue_depth=engine.limits.max_queue_depth,
-                max_park_seconds=engine.limits.max_park_seconds,
-                stale_after_polls=settings.stale_after_polls,
-                local_accounting=settings.local_accounting,
-                scrape_grace_seconds=settings.scrape_grace_seconds,
-                kv_budget=settings.kv_budget,
-                kv_capacity_override=engine.limits.kv_capacity_tokens,
-                backfill=settings.backfill,
-                retry_after_seconds=settings.retry_after_seconds,
-                engine_queue_slots=settings.engine_queue_slots,
-                wait_estimates=settings.wait_estimates,
-            )
             m, name = metrics, engine.name
             gauges = [
-                (m.queue_depth.labels(name), lambda g: g.queue_depth),
-                (m.inflight.labels(name), lambda g: g.inflight),
+                (m.queue_depth.labels(name), lambda g, e=name: len(self._engines[e].parked)),
+                (m.inflight.labels(name), lambda g, e=name: len(self._engines[e].open)),
                 (m.effective_load.labels(name), lambda g: _nan_if_none(g.effective_load())),
                 (m.stale.labels(name), lambda g: 1 if g.state is EngineState.STALE else 0),
-                (m.kv_reserved.labels(name), lambda g: g.reserved_tokens),
+                (m.kv_reserved.labels(name), lambda g, e=name: sum(t.reserved for t in self._engines[e].open.values())),
                 (m.kv_available.labels(name), lambda g: _nan_if_none(g.available_tokens())),
             ]
-            self._engines[name] = _Engine(engine, EngineGate(limits), gauges)
+            self._engines[name] = _Engine(engine, gauges)
             self._publish(name)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    async def start(self) -> None:
+        """Connect the ledger (a shared one reads the current state and follows it)."""
+        await self._ledger.start(self._apply, self._changed)
+
+    async def stop(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        await self._ledger.stop()
 
     def now(self) -> float:
         return self._clock() if self._clock else asyncio.get_running_loop().time()
 
     def gate(self, engine: str) -> EngineGate:
-        return self._engines[engine].gate
+        """The engine's gate as this replica last saw it (a view: decide through the ledger)."""
+        return self._ledger.gate(engine)
 
     def recent(self, engine: str) -> tuple[RecentDecision, ...]:
         """The engine's last decisions, oldest first (PARKED included)."""
@@ -100,87 +131,130 @@ class Admission:
 
     # --- request side ---------------------------------------------------------------------
 
-    def arrive(self, engine: str, model: str, tokens: int = 0) -> Decision:
+    async def arrive(self, engine: str, model: str, tokens: int = 0) -> Decision:
         """Register a gated request; PARKED decisions are followed up through `wait`."""
         now = self.now()
-        ticket = Ticket(model=model, arrived=now, tokens=tokens)
+        ticket = Ticket(model=model, arrived=now, tokens=tokens, owner=self._ledger.replica,
+                        lease_until=self._ledger.lease_until(now))
+        entry = self._engines[engine]
         if self._closing:
             decision = Decision(ticket, Outcome.SHUTTING_DOWN, self._retry_after)
-        else:
-            decision = self._engines[engine].gate.arrive(ticket, now)
-        if decision.outcome is Outcome.PARKED:
-            self._waiters[decision.ticket] = asyncio.get_running_loop().create_future()
-            self._metrics.parked.labels(engine, model).inc()
-            self._engines[engine].recent.append(RecentDecision(now, model, Outcome.PARKED.value, tokens, 0.0, None))
-            self._arm_timer(engine)
-        else:
             self._record(engine, decision, parked=False)
-        self._publish(engine)
+            return decision
+        if not self._ledger.shared:  # the event runs at once: nothing can decide the ticket meanwhile
+            decisions = await self._ledger.transact(engine, lambda g: [g.arrive(ticket, now)])
+            decision = decisions[0]
+        else:
+            # Registered before the decision: another replica may release the ticket before this
+            # coroutine resumes. The event may run more than once (conflicts): each on a copy.
+            self._register(entry, ticket.id)
+            try:
+                decisions = await self._ledger.transact(engine, lambda g: [g.arrive(replace(ticket), now)])
+            except BaseException:
+                entry.parked.discard(ticket.id)
+                entry.waiters.pop(ticket.id, None)
+                raise
+            decision = next(d for d in decisions if d.ticket.id == ticket.id)
+        if decision.outcome is Outcome.PARKED:
+            if ticket.id not in entry.waiters:
+                self._register(entry, ticket.id)
+            self._metrics.parked.labels(engine, model).inc()
+            entry.recent.append(RecentDecision(now, model, Outcome.PARKED.value, tokens, 0.0, None))
+        else:
+            entry.parked.discard(ticket.id)
+            entry.waiters.pop(ticket.id, None)
+            self._record(engine, decision, parked=False)
+            if decision.outcome.admits and decision.ticket.counted:
+                entry.open[ticket.id] = decision.ticket
+        self._apply(engine, [d for d in decisions if d is not decision])
         return decision
+
+    @staticmethod
+    def _register(entry: _Engine, ticket_id: int) -> None:
+        entry.waiters[ticket_id] = asyncio.get_running_loop().create_future()
+        entry.parked.add(ticket_id)
 
     async def wait(self, engine: str, ticket: Ticket) -> Decision:
         """Wait for a parked ticket's outcome. Cancellation means the client went away.
 
-        The ticket's future stays registered from `arrive` until `wait` has returned its decision
-        (or `finish` ran), so a decision made before `wait` is called, e.g. a completion that
-        admits the ticket while the park response is still being written, is returned, not lost.
+        The ticket's future stays registered from `arrive` until it is decided, so a decision
+        made before `wait` is called, e.g. a completion that admits the ticket while the park
+        response is still being written, is returned, not lost.
         """
-        future = self._waiters[ticket]
+        waiters = self._engines[engine].waiters
+        future = waiters.get(ticket.id)
+        if future is None:
+            raise KeyError(f"ticket {ticket.id} was not parked")
         try:
             decision = await asyncio.shield(future)
         except asyncio.CancelledError:
             if not future.done():
-                self._abandon(engine, ticket)
+                await self._end(engine, ticket)
             # If it was admitted in the same instant, the caller's `finish` frees the slot.
             raise
-        self._waiters.pop(ticket, None)
+        waiters.pop(ticket.id, None)
         return decision
 
-    def finish(self, engine: str, ticket: Ticket) -> None:
+    async def finish(self, engine: str, ticket: Ticket) -> None:
         """The request's ext_proc stream ended, in whatever state its ticket is.
 
         Admitted: the HTTP stream is over (completed, failed or client gone), so its slot and KV
         are freed. Still parked (the stream failed before or while parking, e.g. the client left
-        while the park response was written): it leaves the queue as `client_gone`.
+        while the park response was written): it leaves the queue as `client_gone`. Runs to the
+        end even if the caller is cancelled meanwhile.
         """
-        self._waiters.pop(ticket, None)
-        if ticket.state is TicketState.PARKED:
-            self._abandon(engine, ticket)
-            return
-        self._apply(engine, self._engines[engine].gate.finish(ticket, self.now()))
+        if self._ledger.shared:
+            await asyncio.shield(self._spawn(self._end(engine, ticket)))
+        else:
+            await self._end(engine, ticket)
+
+    async def _end(self, engine: str, ticket: Ticket) -> None:
+        entry = self._engines[engine]
+        entry.waiters.pop(ticket.id, None)
+        was_parked = ticket.id in entry.parked
+        entry.parked.discard(ticket.id)
+        was_open = entry.open.pop(ticket.id, None) is not None
+        if not was_parked and not was_open:
+            return  # never entered the gate, or already ended
+        now = self.now()
+        decisions = await self._ledger.transact(engine, lambda g: g.end(ticket.id, now))
+        for d in decisions:
+            if d.ticket.id == ticket.id and d.outcome is Outcome.CLIENT_GONE:
+                self._record(engine, d, parked=True)
+        self._apply(engine, [d for d in decisions if d.ticket.id != ticket.id])
         if self._idle is not None and self.inflight == 0:
             self._idle.set()
 
     # --- engine side ----------------------------------------------------------------------
 
-    def observe(self, engine: str, snapshot: EngineSnapshot) -> None:
-        gate = self._engines[engine].gate
-        was_stale = gate.state is EngineState.STALE
-        decisions = gate.observe(snapshot, self.now())
-        if was_stale:
+    async def observe(self, engine: str, snapshot: EngineSnapshot) -> None:
+        was_stale = self.gate(engine).state is EngineState.STALE
+        now = self.now()
+        self._apply(engine, await self._ledger.transact(engine, lambda g: g.observe(snapshot, now)))
+        if was_stale and self.gate(engine).state is not EngineState.STALE:
             log.info("engine state is fresh again", extra={"engine": engine})
-        self._apply(engine, decisions)
 
-    def poll_failed(self, engine: str) -> None:
-        gate = self._engines[engine].gate
-        was_stale = gate.state is EngineState.STALE
-        decisions = gate.poll_failed(self.now())
+    async def poll_failed(self, engine: str) -> None:
+        was_stale = self.gate(engine).state is EngineState.STALE
+        now = self.now()
+        self._apply(engine, await self._ledger.transact(engine, lambda g: g.poll_failed(now)))
+        gate = self.gate(engine)
         if gate.state is EngineState.STALE and not was_stale:
             self._metrics.stale_total.labels(engine).inc()
             log.warning("engine state is stale; admission fails open",
                         extra={"engine": engine, "failed_polls": gate.limits.stale_after_polls})
-        self._apply(engine, decisions)
 
-    def shutdown(self) -> None:
-        """Answer every parked request (503 + Retry-After) so none waits for a dying service."""
+    async def shutdown(self) -> None:
+        """Answer this replica's parked requests (503 + Retry-After) so none waits for a dying service."""
         self._closing = True
-        for name, engine in self._engines.items():
-            self._apply(name, engine.gate.drain(Outcome.SHUTTING_DOWN))
+        owner = self._ledger.replica if self._ledger.shared else None
+        for name in self._engines:
+            self._apply(name, await self._ledger.transact(name, lambda g: g.drain(Outcome.SHUTTING_DOWN, owner)))
 
     @property
     def inflight(self) -> int:
         """Requests this service admitted whose stream is still open, over every engine."""
-        return sum(entry.gate.inflight for entry in self._engines.values())
+        return sum(len(entry.open) for entry in self._engines.values())
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no admitted request is open, or `timeout` seconds; whether it got there."""
@@ -198,40 +272,54 @@ class Admission:
     # --- internals ------------------------------------------------------------------------
 
     def _apply(self, engine: str, decisions: list[Decision]) -> None:
+        """Decisions about this replica's parked tickets: record them and resolve their futures."""
+        entry = self._engines[engine]
         for decision in decisions:
-            # The future stays in `_waiters` until `wait` collects it (or `finish` drops it).
-            future = self._waiters.get(decision.ticket)
+            if decision.ticket.id not in entry.parked:
+                continue  # not ours, or already decided
+            entry.parked.discard(decision.ticket.id)
+            future = entry.waiters.get(decision.ticket.id)
+            if decision.outcome.admits and decision.ticket.counted:
+                entry.open[decision.ticket.id] = decision.ticket
             self._record(engine, decision, parked=True)
             if future is not None and not future.done():
                 future.set_result(decision)
+        self._changed(engine)
+
+    def _changed(self, engine: str) -> None:
+        """The engine's state changed (here or, with a shared ledger, on another replica)."""
         self._arm_timer(engine)
         self._publish(engine)
 
-    def _abandon(self, engine: str, ticket: Ticket) -> None:
-        self._waiters.pop(ticket, None)
-        decision = self._engines[engine].gate.abandon(ticket, self.now())
-        if decision is not None:
-            self._record(engine, decision, parked=True)
-        self._arm_timer(engine)
-        self._publish(engine)
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
 
     def _on_timer(self, engine: str) -> None:
-        self._engines[engine].timer = None
-        self._apply(engine, self._engines[engine].gate.expire(self.now()))
+        self._engines[engine].timer = self._engines[engine].timer_for = None
+        now = self.now()
+
+        async def expire() -> None:
+            self._apply(engine, await self._ledger.transact(engine, lambda g: g.expire(now)))
+
+        self._spawn(expire())
 
     def _arm_timer(self, engine: str) -> None:
         entry = self._engines[engine]
-        deadline = entry.gate.next_deadline()
+        deadline = self.gate(engine).next_deadline()
         if entry.timer is not None:
-            if deadline is not None and entry.timer.when() <= deadline:
+            if deadline is not None and entry.timer_for is not None and entry.timer_for <= deadline:
                 return
             entry.timer.cancel()
-            entry.timer = None
+            entry.timer = entry.timer_for = None
         if deadline is not None:
             loop = asyncio.get_running_loop()
-            # Timers run on the loop clock; translate if an injected clock is in use.
+            # Timers run on the loop clock; translate from the admission clock.
             delay = max(0.0, deadline - self.now())
             entry.timer = loop.call_at(loop.time() + delay, self._on_timer, engine)
+            entry.timer_for = deadline
 
     def _record(self, engine: str, decision: Decision, parked: bool) -> None:
         outcome, ticket = decision.outcome, decision.ticket
@@ -250,8 +338,9 @@ class Admission:
 
     def _publish(self, engine: str) -> None:
         entry = self._engines[engine]
+        gate = self.gate(engine)
         for gauge, read in entry.gauges:
-            gauge.set(read(entry.gate))
+            gauge.set(read(gate))
 
 
 def _nan_if_none(value: float | None) -> float:

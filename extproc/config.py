@@ -88,6 +88,12 @@ class Settings:
     log_level: str
     log_format: str
     config_file: str | None = None
+    ledger: str = "local"  # where the gates' state lives: this process, or Redis shared by replicas
+    redis_url: str | None = None
+    ledger_lease_seconds: float = 5.0
+    ledger_timeout_seconds: float = 0.05
+    ledger_key_prefix: str = "llm-admission"
+    replica_id: str | None = None  # this replica's name in the shared ledger (None: host-pid-random)
     model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +138,12 @@ class Settings:
             "models_refresh_s": self.models_refresh_seconds,
             "gating": self.gating,
             "config_file": self.config_file,
+            "ledger": self.ledger,
+            "redis_url": redact_url(self.redis_url) if self.redis_url else None,
+            "ledger_lease_s": self.ledger_lease_seconds,
+            "ledger_timeout_ms": round(self.ledger_timeout_seconds * 1000, 3),
+            "ledger_key_prefix": self.ledger_key_prefix,
+            "replica_id": self.replica_id,
             "engines": [
                 {
                     "name": e.name,
@@ -150,6 +162,29 @@ class Settings:
 
 
 # --- typed readers -----------------------------------------------------------------------------
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username + ':' if parts.username else ':'}***@{parts.hostname}" + (
+        f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _redis_url(name: str, raw: str) -> str:
+    url = str(raw).strip()
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix") or (parts.scheme != "unix" and not parts.hostname):
+        raise ConfigError(f"{name}={redact_url(url)!r}: must be a redis://, rediss:// or unix:// URL "
+                          "such as redis://:password@redis:6379/0")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"{name}={redact_url(url)!r}: has an invalid port") from None
+    return url
 
 
 def _cast(name: str, raw: object, kind: Callable[[str], Any], what: str) -> Any:
@@ -328,6 +363,20 @@ def load_settings(env: Mapping[str, str]) -> Settings:
     def opt(name: str, default: str) -> str:
         return env.get(name) or default
 
+    ledger = opt("ADMISSION_LEDGER", "local").strip().lower()
+    if ledger not in ("local", "redis"):
+        raise ConfigError(f"ADMISSION_LEDGER={env.get('ADMISSION_LEDGER')!r}: must be local or redis")
+    redis_url = _redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL") else None
+    if ledger == "redis" and redis_url is None:
+        raise ConfigError("ADMISSION_LEDGER=redis needs ADMISSION_REDIS_URL (e.g. redis://redis:6379/0)")
+    replica = env.get("ADMISSION_REPLICA_ID") or None
+    if replica is not None and not re.match(r"^[A-Za-z0-9_.:-]{1,128}$", replica):
+        raise ConfigError(f"ADMISSION_REPLICA_ID={replica!r}: must be 1-128 letters, digits, '_', '.', ':' or '-' "
+                          "(e.g. the pod name)")
+    key_prefix = opt("ADMISSION_LEDGER_KEY_PREFIX", "llm-admission")
+    if not re.match(r"^[A-Za-z0-9_.:-]{1,64}$", key_prefix):
+        raise ConfigError(f"ADMISSION_LEDGER_KEY_PREFIX={key_prefix!r}: must be 1-64 letters, digits, '_', '.', ':' or '-'")
+
     return Settings(
         grpc_host=grpc_host,
         grpc_port=grpc_port,
@@ -357,4 +406,12 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         log_level=log_level,
         log_format=log_format,
         config_file=config_file,
+        ledger=ledger,
+        redis_url=redis_url,
+        ledger_lease_seconds=_float(
+            "ADMISSION_LEDGER_LEASE_SECONDS", opt("ADMISSION_LEDGER_LEASE_SECONDS", "5"), 0.1, 300.0),
+        ledger_timeout_seconds=_float(
+            "ADMISSION_LEDGER_TIMEOUT_MS", opt("ADMISSION_LEDGER_TIMEOUT_MS", "50"), 1.0, 10_000.0) / 1000,
+        ledger_key_prefix=key_prefix,
+        replica_id=replica,
     )

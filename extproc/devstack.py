@@ -129,6 +129,53 @@ class Child:
 
 
 @dataclass
+class RedisServer:
+    """A throwaway `redis-server` (Debian's) on a loopback port: the shared ledger's store for the
+    tests, the benchmark's `--ledger redis` and `make run` with ADMISSION_LEDGER=redis. No
+    persistence: restarting it loses the state, as a real Redis failover without persistence does."""
+
+    workdir: Path
+    port: int = 0
+    child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server not found: install Debian's `redis-server` (make system-deps)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(3):
+            port = self.port or free_port()
+            argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                    "--dir", str(self.workdir), "--protected-mode", "yes"]
+            self.child = Child("redis", argv, dict(os.environ), self.workdir / "redis.log")
+            self.child.start()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not self.child.alive():
+                    break
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        self.port = port
+                        return self
+                time.sleep(0.05)
+            output = self.child.log_tail()
+            self.child.stop()
+            if "address already in use" not in output.lower() or self.port:
+                raise ChildExited(f"redis-server did not start on port {port}:\n{output}", output)
+        raise ChildExited("redis-server could not find a free port", "")
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
+
+
+@dataclass
 class LocalStack:
     """Simulator + extproc + Envoy on free loopback ports (or fixed ones for `make run`)."""
 
@@ -339,6 +386,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "(set ADMISSION_OBSERVE_MODELS)", flush=True)
     model = extproc_env.get("ADMISSION_OBSERVE_MODELS", model).split(",")[0]
 
+    redis: RedisServer | None = None
+    if extproc_env.get("ADMISSION_LEDGER", "").lower() == "redis" and not extproc_env.get("ADMISSION_REDIS_URL"):
+        redis = RedisServer(Path(args.workdir) / "redis").start()
+        extproc_env["ADMISSION_REDIS_URL"] = redis.url
+        print(f"devstack: shared ledger on a local redis-server at {redis.url}", flush=True)
+
     stack = LocalStack(
         workdir=Path(args.workdir), engine_url=engine_url, extproc_env=extproc_env,
         envoy_port=args.port, envoy_admin_port=9901, grpc_port=9002, admin_port=9003,
@@ -375,6 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         print("devstack: stopping", flush=True)
         stack.stop()
+        if redis is not None:
+            redis.stop()
     return 0
 
 

@@ -74,6 +74,14 @@ head would still fit once the largest reservation in flight is released, with th
 request still running: so backfill never uses the KV the head is waiting for. The head's own
 wait is bounded by the park cap; backfill stops once it has waited `backfill_patience` of it.
 
+Shared ledger (several replicas in front of one engine, `extproc/ledger.py`): the whole state of
+this class serialises (`to_state` / `from_state`), and a store that runs every event as an atomic
+read-modify-write of that state makes N replicas decide exactly as one gate would for the same
+sequence of events. For that the class also knows which replica owns each ticket (`owner`) and
+until when that replica has vouched for it (`lease_until`): `purge_expired` drops the tickets of
+a replica that stopped renewing (it died), without counting them as finished, so a request of a
+dead replica that is still running at the engine is charged to `others` by the next scrape.
+
 Retry-After comes from the measured completion rate of this gate's admitted requests: a request
 at queue position p expects to wait p / rate. When that already exceeds the park cap, it is
 rejected at once with that Retry-After instead of being held for the whole cap.
@@ -84,8 +92,10 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .outcomes import Outcome
 
@@ -138,7 +148,8 @@ class TicketState(enum.StrEnum):
     DONE = "done"
 
 
-_ids = itertools.count(1)
+# Ticket ids are unique across replicas sharing a ledger: a random 48-bit start per process.
+_ids = itertools.count(int.from_bytes(os.urandom(6), "big") << 14)
 
 
 @dataclass(eq=False)
@@ -155,6 +166,19 @@ class Ticket:
     counted: bool = False  # whether this ticket is in the local ledger (admitted while gated)
     reserved: int = 0  # KV tokens reserved while admitted (block-rounded `tokens`)
     backfilled: bool = False
+    owner: str = ""  # the replica that holds the request's stream (shared ledger)
+    lease_until: float | None = None  # the owner vouches for the ticket until then (None: forever)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"m": self.model, "a": self.arrived, "t": self.tokens, "i": self.id, "s": self.state.value,
+                "d": self.park_deadline, "at": self.admitted_at, "c": self.counted, "r": self.reserved,
+                "b": self.backfilled, "o": self.owner, "l": self.lease_until}
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> Ticket:
+        return cls(model=d["m"], arrived=d["a"], tokens=d["t"], id=d["i"], state=TicketState(d["s"]),
+                   park_deadline=d["d"], admitted_at=d["at"], counted=d["c"], reserved=d["r"],
+                   backfilled=d["b"], owner=d["o"], lease_until=d["l"])
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.model} {self.state} {self.tokens}t>"
@@ -172,6 +196,7 @@ class _Finished:
     admitted_at: float
     finished_at: float
     reserved: int
+    owner: str = ""
 
 
 class EngineGate:
@@ -210,6 +235,20 @@ class EngineGate:
 
     def queued(self) -> tuple[Ticket, ...]:
         return tuple(self._queue)
+
+    def admitted(self) -> tuple[Ticket, ...]:
+        """Open admitted tickets, oldest admission first."""
+        return tuple(sorted(self._inflight, key=lambda t: (t.admitted_at or 0.0, t.id)))
+
+    def find(self, ticket_id: int) -> Ticket | None:
+        """The parked or admitted ticket with this id, if the gate still holds it."""
+        for t in self._queue:
+            if t.id == ticket_id:
+                return t
+        for t in self._inflight:
+            if t.id == ticket_id:
+                return t
+        return None
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -365,7 +404,14 @@ class EngineGate:
         return Decision(ticket, Outcome.PARKED)
 
     def observe(self, snapshot: EngineSnapshot, now: float) -> list[Decision]:
-        """A poll succeeded: take the new snapshot and release whoever now fits."""
+        """A poll succeeded: take the new snapshot and release whoever now fits.
+
+        A snapshot older than the one held (replicas sharing a ledger scrape at their own times
+        and may commit out of order) only says that the engine answers.
+        """
+        if self._snapshot is not None and snapshot.scrape_started < self._snapshot.scrape_started:
+            self._failed_polls = 0
+            return self._release(now)
         others = self._others()
         if others is not None:
             self._others_before = others
@@ -389,8 +435,19 @@ class EngineGate:
             self._completions.append(now)
             assert ticket.admitted_at is not None
             if self.state is EngineState.FRESH:  # otherwise the next good scrape sees the truth
-                self._finished.append(_Finished(ticket.admitted_at, now, ticket.reserved))
+                self._finished.append(_Finished(ticket.admitted_at, now, ticket.reserved, ticket.owner))
         return self._release(now)
+
+    def end(self, ticket_id: int, now: float) -> list[Decision]:
+        """A request's stream ended in whatever state the gate holds its ticket: parked (the
+        client left: `client_gone`), admitted (finished: frees its slot and KV), or gone."""
+        ticket = self.find(ticket_id)
+        if ticket is None:
+            return []
+        if ticket.state is TicketState.PARKED:
+            decision = self.abandon(ticket, now)
+            return [decision] if decision is not None else []
+        return self.finish(ticket, now)
 
     def abandon(self, ticket: Ticket, now: float) -> Decision | None:
         """A parked request's client went away: drop it from the queue, never admit it."""
@@ -409,13 +466,87 @@ class EngineGate:
             expired.append(Decision(ticket, Outcome.PARK_TIMEOUT, self.retry_after(len(self._queue) + 1)))
         return expired
 
-    def drain(self, outcome: Outcome) -> list[Decision]:
-        """Answer every parked request with `outcome` (used at shutdown)."""
-        drained = [Decision(t, outcome, self.limits.retry_after_seconds) for t in self._queue]
-        for t in self._queue:
+    def drain(self, outcome: Outcome, owner: str | None = None) -> list[Decision]:
+        """Answer every parked request (of `owner`, or all) with `outcome` (used at shutdown)."""
+        mine = [t for t in self._queue if owner is None or t.owner == owner]
+        for t in mine:
+            self._queue.remove(t)
             t.state = TicketState.DONE
-        self._queue.clear()
-        return drained
+        return [Decision(t, outcome, self.limits.retry_after_seconds) for t in mine]
+
+    # --- leases (shared ledger) -----------------------------------------------------------
+
+    def renew(self, owner: str, until: float) -> None:
+        """`owner` vouches for all its tickets until `until`."""
+        for t in itertools.chain(self._queue, self._inflight):
+            if t.owner == owner:
+                t.lease_until = until
+
+    def purge_expired(self, now: float) -> tuple[list[Ticket], list[Decision]]:
+        """Drop the tickets whose lease ran out (their replica died), parked or admitted, and
+        release whoever the freed capacity now lets in.
+
+        An admitted one is not counted as finished: if its request still runs at the engine, the
+        next scrape charges it to `others`. Returns the dropped tickets and the decisions."""
+        dead = [t for t in itertools.chain(self._queue, self._inflight)
+                if t.lease_until is not None and t.lease_until < now]
+        if not dead:
+            return [], []
+        for t in dead:
+            if t.state is TicketState.PARKED:
+                self._queue.remove(t)
+            else:
+                self._inflight.discard(t)
+            t.state = TicketState.DONE
+        return dead, self._release(now)
+
+    def keep_only(self, owner: str) -> None:
+        """Forget every other replica's tickets: this gate becomes `owner`'s own soft view."""
+        self._queue = deque(t for t in self._queue if t.owner == owner)
+        self._inflight = {t for t in self._inflight if t.owner == owner}
+        self._finished = [f for f in self._finished if f.owner == owner]
+
+    def replace_owner(self, owner: str, tickets: list[Ticket]) -> None:
+        """Put `owner`'s current tickets in place of whatever this gate held for it (a replica
+        re-registers after running on its own): parked ones join the FIFO by arrival time."""
+        self._queue = deque(t for t in self._queue if t.owner != owner)
+        self._inflight = {t for t in self._inflight if t.owner != owner}
+        for t in tickets:
+            if t.state is TicketState.ADMITTED and t.counted:
+                self._inflight.add(t)
+            elif t.state is TicketState.PARKED:
+                self._queue.append(t)
+        self._queue = deque(sorted(self._queue, key=lambda t: (t.arrived, t.id)))
+
+    # --- serialisation (shared ledger) ----------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        snap = self._snapshot
+        return {
+            "snap": None if snap is None else [snap.running, snap.waiting, snap.kv_usage, snap.scrape_started,
+                                               snap.capacity_tokens, snap.block_size],
+            "fp": self._failed_polls,
+            "q": [t.to_state() for t in self._queue],
+            "in": [t.to_state() for t in sorted(self._inflight, key=lambda t: t.id)],
+            "fin": [[f.admitted_at, f.finished_at, f.reserved, f.owner] for f in self._finished],
+            "done": list(self._completions),
+            "ob": self._others_before,
+        }
+
+    @classmethod
+    def from_state(cls, limits: GateLimits, state: dict[str, Any] | None) -> EngineGate:
+        gate = cls(limits)
+        if not state:
+            return gate
+        snap = state["snap"]
+        gate._snapshot = None if snap is None else EngineSnapshot(*snap)
+        gate._failed_polls = state["fp"]
+        gate._queue = deque(Ticket.from_state(t) for t in state["q"])
+        gate._inflight = {Ticket.from_state(t) for t in state["in"]}
+        gate._finished = [_Finished(*f) for f in state["fin"]]
+        gate._completions = deque(state["done"], maxlen=RATE_WINDOW)
+        gate._others_before = state["ob"]
+        return gate
 
     # --- internals ------------------------------------------------------------------------
 

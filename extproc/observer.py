@@ -108,22 +108,22 @@ class EngineObserver:
                     raise _PollError("http_status", f"HTTP {response.status}")
                 text = await response.text(errors="replace")
         except _PollError as exc:
-            return self._failed(engine, exc.reason, exc.detail, first)
+            return await self._failed(engine, exc.reason, exc.detail, first)
         except asyncio.TimeoutError:
-            return self._failed(engine, "timeout", f"no answer within {self._settings.poll_interval}s", first)
+            return await self._failed(engine, "timeout", f"no answer within {self._settings.poll_interval}s", first)
         except aiohttp.ClientError as exc:
-            return self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)
+            return await self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)
         try:
             gauges = parse_engine_metrics(text, expect_capacity=self._capacity_seen.get(engine.name, False))
         except MetricsFormatError as exc:
             self._set_degraded(engine, True, str(exc), first)
-            return self._failed(engine, "unparsable", str(exc), first, degraded_logged=True)
+            return await self._failed(engine, "unparsable", str(exc), first, degraded_logged=True)
         self._set_degraded(engine, False, "", first)
         if gauges.capacity_tokens:
             self._capacity_seen[engine.name] = True
-        self._succeeded(engine, gauges, started)
+        await self._succeeded(engine, gauges, started)
 
-    def _succeeded(self, engine: EngineConfig, gauges: EngineGauges, started: float) -> None:
+    async def _succeeded(self, engine: EngineConfig, gauges: EngineGauges, started: float) -> None:
         m = self._metrics
         m.running.labels(engine.name).set(gauges.running)
         m.waiting.labels(engine.name).set(gauges.waiting)
@@ -138,7 +138,7 @@ class EngineObserver:
             block_size=gauges.block_size,
         )
         self._log_capacity_source(engine, gauges)
-        self._admission.observe(engine.name, snapshot)
+        await self._admission.observe(engine.name, snapshot)
 
     def _log_capacity_source(self, engine: EngineConfig, gauges: EngineGauges) -> None:
         """Say once (and on every change) where the KV capacity for the budget comes from."""
@@ -159,12 +159,12 @@ class EngineObserver:
             log.info("KV capacity for the token budget", extra={"engine": engine.name, "capacity_tokens": tokens,
                                                                 "source": source})
 
-    def _failed(self, engine: EngineConfig, reason: str, detail: str, first: bool, degraded_logged: bool = False) -> None:
+    async def _failed(self, engine: EngineConfig, reason: str, detail: str, first: bool, degraded_logged: bool = False) -> None:
         self._metrics.poll_failures.labels(engine.name, reason).inc()
         if first and not degraded_logged:
             self._set_degraded(engine, True, f"{reason}: {detail}", first)
         log.debug("poll failed", extra={"engine": engine.name, "reason": reason, "detail": detail})
-        self._admission.poll_failed(engine.name)
+        await self._admission.poll_failed(engine.name)
 
     def _set_degraded(self, engine: EngineConfig, degraded: bool, detail: str, first: bool) -> None:
         before = self._degraded.get(engine.name)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -25,8 +27,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from .adminhttp import make_app
-from .admission import Admission
+from .admission import Admission, gate_limits
 from .config import Settings
+from .ledger import Ledger, LedgerMetrics, RedisLedger
 from .metrics import Metrics
 from .models import ModelRegistry
 from .observer import EngineObserver
@@ -42,7 +45,7 @@ class Service:
         self.settings = settings
         self.metrics = Metrics(registry or CollectorRegistry())
         self.metrics.initialise(settings)  # every configured label set at 0 before the first event
-        self.admission = Admission(settings, self.metrics)
+        self.admission = Admission(settings, self.metrics, *_ledger(settings, self.metrics))
         self.observer = EngineObserver(settings, self.admission, self.metrics)
         self.models = ModelRegistry(settings)
         self._grpc: grpc.aio.Server | None = None
@@ -57,6 +60,7 @@ class Service:
     async def start(self) -> None:
         s = self.settings
         if s.gating:
+            await self.admission.start()  # a shared ledger: read the state and follow it
             await self.observer.start()
             await self.models.start()  # first read of each engine's /v1/models, then periodic
         self._grpc = grpc.aio.server(
@@ -98,7 +102,7 @@ class Service:
     async def stop(self, grace: float = 10.0) -> None:
         self._ready = False
         await self._health.enter_graceful_shutdown()
-        self.admission.shutdown()
+        await self.admission.shutdown()
         if self._grpc is not None and self._grpc_started:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + grace
@@ -106,11 +110,25 @@ class Service:
             await self._grpc.stop(max(0.0, deadline - loop.time()))
         await self.observer.stop()
         await self.models.stop()
+        await self.admission.stop()
         if self._probe is not None:
             await self._probe.cleanup()
         if self._admin is not None:
             await self._admin.cleanup()
         log.info("stopped")
+
+
+def _ledger(settings: Settings, metrics: Metrics) -> tuple[Callable[[], float] | None, Ledger | None]:
+    """The clock and ledger admission runs on: the loop clock and local memory, or the wall clock
+    (shared by replicas) and Redis."""
+    if settings.ledger != "redis":
+        return None, None
+    assert settings.redis_url is not None
+    limits = {e.name: gate_limits(settings, e) for e in settings.engines}
+    ledger = RedisLedger(limits, settings.redis_url, LedgerMetrics(metrics.registry),
+                         lease_seconds=settings.ledger_lease_seconds, timeout=settings.ledger_timeout_seconds,
+                         prefix=settings.ledger_key_prefix, replica=settings.replica_id)
+    return time.time, ledger
 
 
 PROBE_PATHS = ("/metrics", "/healthz", "/readyz")

@@ -88,7 +88,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             if stream.ticket is not None and stream.engine is not None:
-                self._admission.finish(stream.engine.name, stream.ticket)
+                await self._admission.finish(stream.engine.name, stream.ticket)
 
     async def _process(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
         message = await context.read()
@@ -160,7 +160,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream.engine = engine
         s = self._settings
         cost = estimate_cost(facts, s.bytes_per_token, s.estimate_safety_factor, s.default_max_tokens)
-        decision = self._admission.arrive(engine.name, facts.model, cost.tokens)
+        decision = await self._admission.arrive(engine.name, facts.model, cost.tokens)
         stream.ticket = decision.ticket
         outcome = decision.outcome
         pending_read: asyncio.Future[object] | None = None

@@ -8,6 +8,7 @@ exactly where the event loop can run one in production. The service's own object
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections.abc import Callable
 
@@ -40,7 +41,7 @@ def _request(model: str = "m") -> list[pb.ProcessingRequest]:
 class CannedStream:
     """Envoy's side of one ext_proc stream: canned messages in, answers recorded, a hook per answer."""
 
-    def __init__(self, messages: list[pb.ProcessingRequest], on_write: Callable[[pb.ProcessingResponse], None]) -> None:
+    def __init__(self, messages: list[pb.ProcessingRequest], on_write: Callable[[pb.ProcessingResponse], object]) -> None:
         self._messages = list(messages)
         self._on_write = on_write
         self.written: list[pb.ProcessingResponse] = []
@@ -55,24 +56,26 @@ class CannedStream:
     async def write(self, response: pb.ProcessingResponse) -> None:
         self.written.append(response)
         await asyncio.sleep(0)  # a real write yields to the loop: other streams run here
-        self._on_write(response)
+        result = self._on_write(response)
+        if inspect.isawaitable(result):
+            await result
 
 
 async def _setup() -> tuple[Admission, Metrics, ExternalProcessor]:
     settings = load_settings(ENV)
     metrics = Metrics(CollectorRegistry())
     admission = Admission(settings, metrics)
-    admission.observe("default", EngineSnapshot(running=0, waiting=0, kv_usage=0.0, scrape_started=admission.now()))
+    await admission.observe("default", EngineSnapshot(running=0, waiting=0, kv_usage=0.0, scrape_started=admission.now()))
     return admission, metrics, ExternalProcessor(settings, admission, metrics)
 
 
 def test_wait_returns_a_decision_made_before_it_was_called() -> None:
     async def scenario() -> None:
         admission, _, _ = await _setup()
-        first = admission.arrive("default", "m")
-        parked = admission.arrive("default", "m")
+        first = await admission.arrive("default", "m")
+        parked = await admission.arrive("default", "m")
         assert (first.outcome, parked.outcome) == (Outcome.ADMITTED, Outcome.PARKED)
-        admission.finish("default", first.ticket)  # admits the parked ticket before anyone waits
+        await admission.finish("default", first.ticket)  # admits the parked ticket before anyone waits
         decision = await asyncio.wait_for(admission.wait("default", parked.ticket), 1)
         assert decision.outcome is Outcome.ADMITTED_AFTER_PARK
 
@@ -82,12 +85,12 @@ def test_wait_returns_a_decision_made_before_it_was_called() -> None:
 def test_a_completion_during_the_park_write_admits_the_request_without_an_internal_error() -> None:
     async def scenario() -> None:
         admission, metrics, servicer = await _setup()
-        holder = admission.arrive("default", "m")  # the one slot is taken
+        holder = await admission.arrive("default", "m")  # the one slot is taken
         assert holder.outcome is Outcome.ADMITTED
 
-        def on_write(response: pb.ProcessingResponse) -> None:
+        async def on_write(response: pb.ProcessingResponse) -> None:
             if response.HasField("override_message_timeout"):
-                admission.finish("default", holder.ticket)  # the holder completes mid-write
+                await admission.finish("default", holder.ticket)  # the holder completes mid-write
             elif response.HasField("request_body"):
                 stream.ended.set()  # admitted: the request goes upstream and completes
 
@@ -107,7 +110,7 @@ def test_a_completion_during_the_park_write_admits_the_request_without_an_intern
 def test_a_park_write_that_fails_takes_the_ticket_out_of_the_queue() -> None:
     async def scenario() -> None:
         admission, _, servicer = await _setup()
-        holder = admission.arrive("default", "m")
+        holder = await admission.arrive("default", "m")
 
         def on_write(response: pb.ProcessingResponse) -> None:
             if response.HasField("override_message_timeout"):
@@ -120,7 +123,7 @@ def test_a_park_write_that_fails_takes_the_ticket_out_of_the_queue() -> None:
             pass
         gate = admission.gate("default")
         assert gate.queue_depth == 0  # not left to block the queue until the park cap
-        admission.finish("default", holder.ticket)
+        await admission.finish("default", holder.ticket)
         assert gate.inflight == 0
 
     asyncio.run(scenario())
