@@ -52,7 +52,9 @@ def service_settings(r: Rendered, tmp_path: Path, secret_value: str | None = Non
     path.write_text(r.engines_yaml)
     env: dict[str, str] = {}
     for name, entry in admission_env(r).items():
-        if "valueFrom" in entry:
+        if entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[name] = f"{RELEASE}-llm-admission-7d9f8c6b5-x2x9q"  # what the kubelet puts there
+        elif "valueFrom" in entry:
             assert secret_value is not None, f"{name} comes from {entry['valueFrom']}"
             env[name] = secret_value
         else:
@@ -85,6 +87,14 @@ def test_a_redis_url_becomes_the_services_ledger_settings(chart: Chart, tmp_path
     assert (settings.ledger_lease_seconds, settings.ledger_timeout_seconds) == (5.0, 0.05)
     assert settings.ledger_key_prefix == "inference.demo-llm-admission"
     assert r.deployment["spec"]["replicas"] == 3
+
+
+def test_with_redis_each_pod_is_a_replica_named_after_itself(chart: Chart, tmp_path: Path) -> None:
+    r = chart.render(WITH_URL)
+    assert admission_env(r)["ADMISSION_REPLICA_ID"] == {
+        "name": "ADMISSION_REPLICA_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    assert service_settings(r, tmp_path).replica_id == f"{RELEASE}-llm-admission-7d9f8c6b5-x2x9q"
+    assert "ADMISSION_REPLICA_ID" not in admission_env(chart.render({}))
 
 
 def test_an_existing_secret_provides_the_url_through_a_secret_key_ref(chart: Chart, tmp_path: Path) -> None:

@@ -385,6 +385,11 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: {{ $l.timeoutMs | toString | quote }}
   - name: ADMISSION_LEDGER_KEY_PREFIX
     value: {{ include "llm-admission.ledgerKeyPrefix" . | quote }}
+  # The pod's name is its replica id in the shared state: a lease expiry names the pod that died.
+  - name: ADMISSION_REPLICA_ID
+    valueFrom:
+      fieldRef:
+        fieldPath: metadata.name
   {{- end }}
   {{- with $a.extraEnv }}
   {{- toYaml . | nindent 2 }}
