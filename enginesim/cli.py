@@ -14,6 +14,8 @@ from typing import Any
 from aiohttp import web
 
 from .config import DP_ROUTING, PRESETS, SimConfig
+from .outputs import OutputLenModel
+from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 from .scheduler import DEFAULT_PROFILE, PROFILES, CostModel, MemoryBoundCostModel, SchedulerConfig
 from .server import create_app, create_runner
 
@@ -69,6 +71,13 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def _output_len(text: str) -> str:
+    try:
+        return str(OutputLenModel.parse(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -141,10 +150,29 @@ def build_parser() -> argparse.ArgumentParser:
     add("--per-decode-seq-s", type=_non_negative_float, default=None,
         help=f"linear cost model only: engine seconds per decoding sequence in a step "
              f"({_by_preset('per_decode_seq_s')})")
-    add("--bytes-per-token", type=_positive_float, default=4.0,
-        help="prompt tokens = ceil(UTF-8 bytes of the prompt text / this), at least 1")
-    add("--default-max-tokens", type=_positive_int, default=16,
-        help="output length when a request sets neither max_tokens nor max_completion_tokens")
+    add("--tokenizer", choices=TOKENIZERS, default=None,
+        help=f"how prompt tokens are counted, as vLLM's usage.prompt_tokens counts them: a real "
+             f"vocabulary and its chat template (per message, generation prompt, tools block); "
+             f"'bytes4' is the old rule, ceil(UTF-8 bytes of the message contents / 4), no "
+             f"template (default: {DEFAULT_TOKENIZER}; bytes4 when only --bytes-per-token is given)")
+    add("--bytes-per-token", type=_positive_float, default=None,
+        help="the bytes4 tokenizer's divisor: prompt tokens = ceil(UTF-8 bytes / this), at least "
+             "1; given alone, it selects --tokenizer bytes4 (default 4)")
+    add("--output-len", type=_output_len, default="max",
+        help="where the model ends a sequence on its own (EOS, finish_reason 'stop'): 'max' "
+             "never (every sequence runs to max_tokens, as with ignore_eos), 'fixed:N', "
+             "'geometric:MEAN', 'lognormal:MEAN[:SIGMA]'; a request's ignore_eos: true always "
+             "runs to its limit")
+    add("--no-limit-len", type=_non_negative_int, default=16,
+        help="with --output-len max: where the model ends (EOS, finish_reason 'stop') a request "
+             "that sets no max_tokens, whose limit is the context left; 0: never, it generates "
+             "up to the context left (as with ignore_eos)")
+    add("--seed", type=int, default=0,
+        help="seed of the stream that output lengths and generated texts are drawn from "
+             "(a request's own `seed` takes precedence)")
+    add("--default-max-tokens", type=_positive_int, default=None,
+        help="cap on the output limit of a request that sets neither max_tokens nor "
+             "max_completion_tokens (default: none, the context left, as vLLM)")
     add("--time-scale", type=_positive_float, default=1.0,
         help="run the engine this many times faster than real time; reported durations stay "
              "in engine seconds")
@@ -191,8 +219,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=preset["max_num_seqs"],
         max_num_batched_tokens=preset["max_num_batched_tokens"],
         max_model_len=preset["max_model_len"], cost=cost)
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        tokenizer = "bytes4" if args.bytes_per_token is not None else DEFAULT_TOKENIZER
+    elif args.bytes_per_token is not None and tokenizer != "bytes4":
+        raise ValueError(f"--bytes-per-token applies to --tokenizer bytes4, not {tokenizer}")
     return SimConfig(host=args.host, port=args.port, model=args.model, scheduler=scheduler,
-                     bytes_per_token=args.bytes_per_token,
+                     bytes_per_token=args.bytes_per_token or 4.0, tokenizer=tokenizer,
+                     output_len=args.output_len, seed=args.seed, no_limit_len=args.no_limit_len,
                      default_max_tokens=args.default_max_tokens, time_scale=args.time_scale,
                      data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                      max_num_queued_reqs=args.max_num_queued_reqs,

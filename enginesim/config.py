@@ -43,7 +43,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .outputs import OutputLenModel
 from .scheduler import PROFILES, CostModel, SchedulerConfig
+from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 __all__ = ["PRESETS", "SimConfig", "DP_ROUTING"]
 
@@ -58,8 +60,15 @@ class SimConfig:
     port: int = 8000
     model: str = "sim-model"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    bytes_per_token: float = 4.0
-    default_max_tokens: int = 16
+    bytes_per_token: float = 4.0  # the bytes4 tokenizer's divisor
+    # None: a request without max_tokens may generate up to the context left (vLLM)
+    default_max_tokens: int | None = None
+    tokenizer: str = DEFAULT_TOKENIZER  # enginesim.tokenizer.TOKENIZERS
+    output_len: str = "max"  # enginesim.outputs.OutputLenModel
+    # under output_len "max": where the model ends (EOS) a request that sets no max_tokens;
+    # 0: never, it runs to the context left
+    no_limit_len: int = 16
+    seed: int = 0  # the stream that output lengths and texts are drawn from
     time_scale: float = 1.0
     data_parallel_size: int = 1
     dp_routing: str = "round-robin"
@@ -72,7 +81,12 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.bytes_per_token <= 0:
             raise ValueError(f"bytes_per_token must be > 0, got {self.bytes_per_token}")
-        if self.default_max_tokens < 1:
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        OutputLenModel.parse(self.output_len)
+        if self.no_limit_len < 0:
+            raise ValueError(f"no_limit_len must be >= 0, got {self.no_limit_len}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
@@ -110,7 +124,10 @@ class SimConfig:
             f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={s.max_num_batched_tokens} "
             f"max_model_len={s.max_model_len} data_parallel_size={self.data_parallel_size} "
             f"dp_routing={self.dp_routing} time_scale={self.time_scale:g} "
-            f"bytes_per_token={self.bytes_per_token:g} default_max_tokens={self.default_max_tokens} "
+            f"tokenizer={self.tokenizer}"
+            + (f" bytes_per_token={self.bytes_per_token:g}" if self.tokenizer == "bytes4" else "")
+            + f" output_len={self.output_len} no_limit_len={self.no_limit_len} seed={self.seed} "
+            f"default_max_tokens={self.default_max_tokens or 'context'} "
             f"{s.cost.describe()}")
 
 

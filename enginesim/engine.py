@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ class RequestHandle:
     prompt_tokens: int
     max_tokens: int
     engine_index: int = 0
+    eos_at: int | None = None  # the model ends it here (EOS / stop string), before max_tokens
+    prefix: tuple[str, int] | None = None  # shared prompt blocks (the n sequences of one request)
     arrival_time: float = 0.0
     state: str = "queued"  # queued, waiting, running, finished, aborted
     preemptions: int = 0
@@ -174,7 +177,8 @@ class EngineRank:
 
     def _admit(self, handle: RequestHandle) -> None:
         self.scheduler.add_request(handle.engine_request_id, handle.prompt_tokens,
-                                   handle.max_tokens, handle.arrival_time)
+                                   handle.max_tokens, handle.arrival_time, prefix=handle.prefix,
+                                   eos_at=handle.eos_at)
         handle.state = "waiting"
 
     def _publish(self) -> None:
@@ -315,6 +319,8 @@ class Engine:
         self._new_state()
 
     def _new_state(self) -> None:
+        # where generations end and what they say: one seeded stream, drawn in arrival order
+        self.rng = random.Random(self.config.seed)
         self.metrics = EngineMetrics(self.config.model, self.config.scheduler,
                                      range(self.config.data_parallel_size), profile=self.config.profile)
         self.ranks = [EngineRank(i, self) for i in range(self.config.data_parallel_size)]
@@ -361,16 +367,25 @@ class Engine:
             return min(self.ranks, key=lambda r: (r.load[0] * 4 + r.load[1], r.index))
         return self.ranks[next(self._rr) % len(self.ranks)]
 
-    def submit(self, prompt_tokens: int, max_tokens: int, info: dict[str, Any]) -> RequestHandle:
-        """Queue a validated request on a rank; returns the handle to read tokens from."""
+    def submit(self, prompt_tokens: int, max_tokens: int, info: dict[str, Any], *,
+               eos_at: int | None = None, prefix: tuple[str, int] | None = None,
+               tokens: asyncio.Queue[TokenOutput | None] | None = None) -> RequestHandle:
+        """Queue a validated sequence on a rank; returns the handle to read tokens from.
+
+        ``tokens``: a queue shared by the sequences of one request (``n`` > 1), which then
+        receives one ``None`` per sequence."""
         seq = next(self._ids)
-        handle = RequestHandle(f"req-{seq}", prompt_tokens, max_tokens, info=info)
+        handle = RequestHandle(f"req-{seq}", prompt_tokens, max_tokens, eos_at=eos_at,
+                               prefix=prefix, info=info)
+        if tokens is not None:
+            handle.tokens = tokens
         rank = self._route()
         rank.submit(handle)
         self.requests.append(handle)
         handle.arrival = {"seq": seq, **info, "engine": rank.index,
                           "engine_request_id": handle.engine_request_id,
                           "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+                          "eos_at": eos_at,
                           "arrival_time": handle.arrival_time, "wall_time": time.monotonic()}
         self.arrivals.append(handle.arrival)
         self._note_occupancy(+1, handle)

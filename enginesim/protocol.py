@@ -15,22 +15,25 @@ serving_completion.py):
   ``data: [DONE]``. Chunks are dumped with ``exclude_unset=True`` (so only the fields
   vLLM sets explicitly appear), completion chunks with every field.
 
-Token accounting is deterministic: prompt tokens = ceil(UTF-8 bytes of the text /
-bytes_per_token), at least 1; the output length is ``max_completion_tokens`` or
-``max_tokens`` when given, else the simulator's default capped to the context left.
+Token accounting is deterministic: prompt tokens are counted by the served model's tokenizer
+and chat template (``enginesim.tokenizer``; ``bytes4``: ceil(UTF-8 bytes of the text / 4));
+the output limit is ``max_completion_tokens`` or ``max_tokens`` when given, else the context
+left, and where a sequence ends within it is ``enginesim.outputs``' business.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .tokenizer import TemplateError, Tokenizer
+
 __all__ = [
     "ApiError",
     "ParsedRequest",
+    "Choice",
     "chat_chunk_first",
     "chat_chunk_token",
     "chat_response",
@@ -38,10 +41,15 @@ __all__ = [
     "completion_response",
     "error_body",
     "model_list",
+    "RequestBody",
+    "count_prompt",
+    "decode_request",
+    "finish_request",
     "parse_request",
     "queue_limit_error",
     "sse_error_completion",
     "token_text",
+    "tokenize_response",
     "usage",
     "usage_chunk",
 ]
@@ -103,11 +111,42 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int  # the limit: max_tokens, else the context left (or --default-max-tokens)
     max_tokens_explicit: bool
     user: Any
     metadata: Any
-    n: int = 1  # only counted by the queue limits; one choice is generated whatever n says
+    n: int = 1  # choices: n sequences, each with its own KV, sharing the prompt
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestBody:
+    """A validated body before its prompt is tokenized (see ``decode_request``)."""
+
+    kind: str
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    requested: int | None
+    n: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+    seed: int | None
+
+    @property
+    def prompt_bytes(self) -> int:
+        """A rough size of what ``count_prompt`` will tokenize (to decide where to count it)."""
+        if self.kind == CHAT:
+            return sum(count_text_bytes(m.get("content")) for m in self.body.get("messages") or []
+                       if isinstance(m, dict))
+        prompt = self.body.get("prompt")
+        return len(prompt.encode("utf-8")) if isinstance(prompt, str) else 0
 
 
 def _validation_error(detail: str) -> ApiError:
@@ -131,37 +170,33 @@ def count_text_bytes(value: Any) -> int:
     raise _validation_error("message content must be a string or a list of content parts")
 
 
-def _tokens_from_bytes(num_bytes: int, bytes_per_token: float) -> int:
-    return max(1, math.ceil(num_bytes / bytes_per_token))
-
-
-def _prompt_tokens(kind: str, body: dict[str, Any], bytes_per_token: float) -> int:
-    if kind == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _validation_error("Field required: 'messages' must be a non-empty list")
-        total = 0
-        for message in messages:
-            if not isinstance(message, dict):
-                raise _validation_error("each message must be an object")
-            total += count_text_bytes(message.get("content"))
-        return _tokens_from_bytes(total, bytes_per_token)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return _tokens_from_bytes(len(prompt.encode("utf-8")), bytes_per_token)
-    if isinstance(prompt, list) and prompt:
-        # Token ids count as themselves; several prompts are treated as one (no n>1 batches).
-        if all(isinstance(p, int) for p in prompt):
-            return max(1, len(prompt))
-        total_tokens = 0
-        for item in prompt:
-            if isinstance(item, str):
-                total_tokens += _tokens_from_bytes(len(item.encode("utf-8")), bytes_per_token)
-            elif isinstance(item, list) and all(isinstance(p, int) for p in item):
-                total_tokens += max(1, len(item))
-            else:
-                raise _validation_error("prompt must be a string, a list of strings or token ids")
-        return total_tokens
+def count_prompt(request: RequestBody, tokenizer: Tokenizer) -> int:
+    """The prompt tokens vLLM would count for this request (``usage.prompt_tokens``)."""
+    body = request.body
+    try:
+        if request.kind == CHAT:
+            tools = body.get("tools") or None
+            add_generation_prompt = body.get("add_generation_prompt", True) is not False
+            return tokenizer.count_chat(body.get("messages"), tools, add_generation_prompt)
+        add_special = body.get("add_special_tokens", True) is not False
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return max(1, tokenizer.count_prompt(prompt, add_special))
+        if isinstance(prompt, list) and prompt:
+            # Token ids count as themselves; several prompts are treated as one (no batches).
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+                return len(prompt)
+            total_tokens = 0
+            for item in prompt:
+                if isinstance(item, str):
+                    total_tokens += max(1, tokenizer.count_prompt(item, add_special))
+                elif isinstance(item, list) and item and all(isinstance(p, int) for p in item):
+                    total_tokens += len(item)
+                else:
+                    raise _validation_error("prompt must be a string, a list of strings or token ids")
+            return total_tokens
+    except TemplateError as exc:
+        raise _validation_error(str(exc)) from None
     raise _validation_error("Field required: 'prompt' must be a string or a list")
 
 
@@ -174,15 +209,23 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: int,
-                  bytes_per_token: float, default_max_tokens: int,
-                  preflight: Callable[[int], None] | None = None) -> ParsedRequest:
-    """Validate a request body like vLLM's frontend does; raise ApiError on refusal.
+def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    raise _validation_error("'stop' must be a string or a list of strings")
 
-    ``preflight(n)`` runs where vLLM 0.33 runs ``_preflight`` (the queue limits): after the
-    request model validated and the served model matched, before the prompt is rendered and
-    its length checked; so a full queue answers 503 even to a prompt that is too long.
-    """
+
+def decode_request(kind: str, raw: bytes, *, served_model: str,
+                   preflight: Callable[[int], None] | None = None) -> RequestBody:
+    """The body's JSON and sampling parameters, validated like vLLM's request models; the
+    served-model check (404); then ``preflight(n)``, where vLLM 0.33 runs ``_preflight`` (the
+    queue limits): before the prompt is rendered and its length checked, so a full queue
+    answers 503 even to a prompt that is too long."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -205,20 +248,36 @@ def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: in
         raise _validation_error("Stream options can only be defined when `stream=True`.")
     include_usage = bool(stream_options.get("include_usage"))
     continuous_usage = include_usage and bool(stream_options.get("continuous_usage_stats"))
-
-    prompt_tokens = _prompt_tokens(kind, body, bytes_per_token)
     if kind == CHAT:
         requested = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise _validation_error("Field required: 'messages' must be a non-empty list")
     else:
         requested = _positive_int(body, "max_tokens")
-
     n = body.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise _validation_error(f"n must be at least 1, got {n}.")
+    seed = body.get("seed")
+    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+    request = RequestBody(
+        kind=kind, body=body, model=model, stream=stream, include_usage=include_usage,
+        continuous_usage=continuous_usage, requested=requested, n=n, stop=_stop_strings(body),
+        ignore_eos=body.get("ignore_eos") is True,
+        include_stop_str_in_output=body.get("include_stop_str_in_output") is True, seed=seed)
     if preflight is not None:
         preflight(n)
+    return request
 
-    # vLLM's checks (serving_engine._validate_input); the chat handler appends the
-    # exception's __cause__, which is None here, to the message.
+
+def finish_request(request: RequestBody, prompt_tokens: int, *, max_model_len: int,
+                   default_max_tokens: int | None = None) -> ParsedRequest:
+    """vLLM's length checks (serving_engine._validate_input) and the output limit: without
+    ``max_tokens``, the context left (``default_max_tokens`` caps it when set)."""
+    kind = request.kind
+    requested = request.requested
+    # the chat handler appends the exception's __cause__, which is None here, to the message
     suffix = " None" if kind == CHAT else ""
     if prompt_tokens >= max_model_len:
         raise ApiError(400, (
@@ -231,21 +290,32 @@ def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: in
             f"maximum context length is {max_model_len} tokens and your request has "
             f"{prompt_tokens} input tokens ({requested} > {max_model_len} - {prompt_tokens})."
             f"{suffix}"))
-    max_tokens = requested if requested is not None else min(
-        default_max_tokens, max_model_len - prompt_tokens)
+    if requested is not None:
+        max_tokens = requested
+    else:
+        max_tokens = max_model_len - prompt_tokens
+        if default_max_tokens is not None:
+            max_tokens = min(default_max_tokens, max_tokens)
+    body = request.body
     return ParsedRequest(
-        kind=kind,
-        model=model,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous_usage,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        max_tokens_explicit=requested is not None,
-        user=body.get("user"),
-        metadata=body.get("metadata"),
-        n=n,
-    )
+        kind=kind, model=request.model, stream=request.stream, include_usage=request.include_usage,
+        continuous_usage=request.continuous_usage, prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens, max_tokens_explicit=requested is not None,
+        user=body.get("user"), metadata=body.get("metadata"), n=request.n, stop=request.stop,
+        ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
+        seed=request.seed)
+
+
+def parse_request(kind: str, raw: bytes, *, served_model: str, max_model_len: int,
+                  tokenizer: Tokenizer, default_max_tokens: int | None = None,
+                  preflight: Callable[[int], None] | None = None) -> ParsedRequest:
+    """Validate a request body like vLLM's frontend does; raise ApiError on refusal.
+
+    ``decode_request``, ``count_prompt`` and ``finish_request`` in one call."""
+    request = decode_request(kind, raw, served_model=served_model, preflight=preflight)
+    prompt_tokens = count_prompt(request, tokenizer)
+    return finish_request(request, prompt_tokens, max_model_len=max_model_len,
+                          default_max_tokens=default_max_tokens)
 
 
 def token_text(index: int) -> str:
@@ -272,30 +342,41 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def chat_chunk_first(request_id: str, created: int, model: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Choice:
+    """One finished sequence of a non-streaming answer."""
+
+    text: str
+    finish_reason: str = "length"
+    stop_reason: str | None = None
+
+
+def chat_chunk_first(request_id: str, created: int, model: str, index: int = 0) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}],
             "prompt_token_ids": None}
 
 
 def chat_chunk_token(request_id: str, created: int, model: str, text: str,
-                     finish_reason: str | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                     finish_reason: str | None, index: int = 0,
+                     stop_reason: str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "logprobs": None,
                               "finish_reason": finish_reason}
     if finish_reason is not None:
-        choice["stop_reason"] = None
+        choice["stop_reason"] = stop_reason
     choice["token_ids"] = None
     return {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": model, "choices": [choice]}
 
 
 def completion_chunk_token(request_id: str, created: int, model: str, text: str,
-                           finish_reason: str | None) -> dict[str, Any]:
+                           finish_reason: str | None, index: int = 0,
+                           stop_reason: str | None = None) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason, "stop_reason": None,
+            "choices": [{"index": index, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason, "stop_reason": stop_reason,
                          "prompt_token_ids": None, "token_ids": None}],
             "usage": None}
 
@@ -307,28 +388,44 @@ def usage_chunk(kind: str, request_id: str, created: int, model: str, prompt_tok
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_response(request_id: str, created: int, model: str, text: str, prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-               "audio": None, "function_call": None, "tool_calls": [],
-               "reasoning_content": None}
+def _choices(text: str | list[Choice]) -> list[Choice]:
+    return [Choice(text)] if isinstance(text, str) else text
+
+
+def chat_response(request_id: str, created: int, model: str, text: str | list[Choice],
+                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    choices = []
+    for index, choice in enumerate(_choices(text)):
+        message = {"role": "assistant", "content": choice.text, "refusal": None,
+                   "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
+                   "reasoning_content": None}
+        choices.append({"index": index, "message": message, "logprobs": None,
+                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                        "token_ids": None})
     body_usage = usage(prompt_tokens, completion_tokens) | {"prompt_tokens_details": None}
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": "length", "stop_reason": None, "token_ids": None}],
+            "choices": choices,
             "service_tier": None, "system_fingerprint": None, "usage": body_usage,
             "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None}
 
 
-def completion_response(request_id: str, created: int, model: str, text: str,
+def completion_response(request_id: str, created: int, model: str, text: str | list[Choice],
                         prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     body_usage = usage(prompt_tokens, completion_tokens) | {"prompt_tokens_details": None}
+    choices = [{"index": index, "text": choice.text, "logprobs": None,
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
+               for index, choice in enumerate(_choices(text))]
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                         "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
-                         "prompt_token_ids": None}],
+            "choices": choices,
             "service_tier": None, "system_fingerprint": None, "usage": body_usage,
             "kv_transfer_params": None}
+
+
+def tokenize_response(tokens: list[int], max_model_len: int) -> dict[str, Any]:
+    """vLLM's TokenizeResponse (``POST /tokenize``)."""
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+            "token_strs": None}
 
 
 def model_list(model: str, max_model_len: int, created: int, permission_id: str) -> dict[str, Any]:

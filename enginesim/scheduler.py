@@ -29,8 +29,9 @@ the simulator always has (no prefix caching, synchronous scheduling):
 - When a request's KV has caught up with all its tokens at the end of a step, one new
   token is sampled. Generated tokens survive preemption (they were already returned to
   the client); only their KV is recomputed. A request finishes when it has generated
-  ``max_tokens`` tokens (the simulator behaves as if ``ignore_eos`` were set); its blocks
-  are freed. A preemption is counted in the step that preempted (vLLM counts it when the
+  ``max_tokens`` tokens, or earlier at ``eos_at`` when the model ends it (EOS or a stop
+  string, decided at arrival by ``enginesim.outputs``; vLLM checks the length first, so an
+  end at ``max_tokens`` is "length"); its blocks are freed. A preemption is counted in the step that preempted (vLLM counts it when the
   victim next emits; the 0.11 profile keeps the simulator's historical simplification).
 
 ``vllm-0.33`` (the default) adds what vLLM 0.33.0 does by default, read from its wheel:
@@ -389,6 +390,7 @@ class SimRequest:
     max_tokens: int
     arrival_time: float
     prefix: tuple[str, int] | None = None
+    eos_at: int | None = None  # the model ends the sequence (EOS or a stop string) at this token
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
@@ -416,6 +418,11 @@ class SimRequest:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    @property
+    def end_tokens(self) -> int:
+        """Tokens it generates in all: ``max_tokens``, or fewer if the model ends it first."""
+        return self.max_tokens if self.eos_at is None else min(self.max_tokens, self.eos_at)
 
     def block_hash(self, index: int, block_size: int) -> Hashable:
         """The hash of full block ``index``: chained in vLLM (kv_cache_utils.hash_block_tokens),
@@ -562,8 +569,12 @@ class Scheduler:
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_tokens: int, max_tokens: int,
-                    arrival_time: float, prefix: tuple[str, int] | None = None) -> SimRequest:
-        """Queue a request at the tail of WAITING, or raise RequestRejected."""
+                    arrival_time: float, prefix: tuple[str, int] | None = None,
+                    eos_at: int | None = None) -> SimRequest:
+        """Queue a request at the tail of WAITING, or raise RequestRejected.
+
+        ``eos_at``: the model's own end (EOS or a stop string) at that output token, before
+        ``max_tokens``; the request then finishes with reason ``stop``."""
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -582,8 +593,10 @@ class Scheduler:
         if prefix is not None and not 0 <= prefix[1] <= prompt_tokens:
             raise ValueError(f"prefix length must be in 0..{prompt_tokens}, got {prefix[1]}")
         self._serial += 1
+        if eos_at is not None and eos_at < 1:
+            raise ValueError(f"eos_at must be >= 1, got {eos_at}")
         request = SimRequest(request_id, prompt_tokens, max_tokens, arrival_time, prefix=prefix,
-                             serial=self._serial)
+                             eos_at=eos_at, serial=self._serial)
         self._requests[request_id] = request
         self.waiting.append(request)
         return request
@@ -646,7 +659,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             ahead = request.num_output_placeholders
-            if request.num_output_tokens + ahead >= request.max_tokens:
+            if request.num_output_tokens + ahead >= request.end_tokens:
                 index += 1  # its last token is in flight
                 continue
             num_new = min(request.num_tokens + ahead - request.num_computed_tokens, budget,
@@ -775,7 +788,7 @@ class Scheduler:
             if prof.count_preemption_on_next_output and request.unreported_preemptions:
                 output.num_preemptions += request.unreported_preemptions
                 request.unreported_preemptions = 0
-            finished = request.num_output_tokens >= request.max_tokens
+            finished = request.num_output_tokens >= request.end_tokens
             output.tokens.append(TokenOutput(request_id, request.num_output_tokens - 1, finished))
             if finished:
                 output.finished.append(self._finish(request, end))
@@ -891,7 +904,7 @@ class Scheduler:
         generated = request.num_output_tokens
         return FinishedRequestStats(
             request_id=request.request_id,
-            finish_reason="length",
+            finish_reason="length" if generated >= request.max_tokens else "stop",
             e2e_latency=now - request.arrival_time,
             num_prompt_tokens=request.prompt_tokens,
             num_generation_tokens=generated,

@@ -31,9 +31,11 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -43,6 +45,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from . import protocol
 from .config import SimConfig
 from .engine import Engine, RequestHandle
+from .outputs import OutputLenModel, SequenceEnd, TextStream, plan_end
+from .scheduler import TokenOutput
+from .tokenizer import TemplateError, Tokenizer, get_tokenizer
 
 __all__ = ["METRICS_CONTENT_TYPE", "METRICS_MODES", "QueueLimits", "create_app", "create_runner"]
 
@@ -56,6 +61,8 @@ GARBAGE_BODY = b"<html>oops</html>\n\x00\xff\xfe\x89PNG\r\n\x1a\n{{not prometheu
 ENGINE_KEY = web.AppKey("engine", Engine)
 CONFIG_KEY = web.AppKey("config", SimConfig)
 STATE_KEY = web.AppKey("state", dict)
+TOKENIZER_KEY = web.AppKey("tokenizer", Tokenizer)
+OUTPUT_LEN_KEY = web.AppKey("output_len", OutputLenModel)
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -181,15 +188,46 @@ class OpenAIApi:
     def limits(self) -> QueueLimits:
         return self._app[LIMITS_KEY]
 
-    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._app[TOKENIZER_KEY]
+
+    async def _parse(self, kind: str, raw: bytes) -> protocol.ParsedRequest:
+        """Validate, run the first queue-limit check, count the prompt, check its length."""
         cfg = self.config
+        limits = self.limits
+        body = protocol.decode_request(kind, raw, served_model=cfg.model,
+                                       preflight=limits.check if limits.active else None)
+        # Counting holds the event loop ~1.3 ms per 65k tokens (the tokenizer keeps the GIL,
+        # so a thread would not help); see enginesim/README.md.
+        prompt_tokens = protocol.count_prompt(body, self.tokenizer)
+        return protocol.finish_request(body, prompt_tokens, max_model_len=cfg.scheduler.max_model_len,
+                                       default_max_tokens=cfg.default_max_tokens)
+
+    def _plan(self, parsed: protocol.ParsedRequest) -> list[tuple[SequenceEnd, TextStream]]:
+        """Each sequence's end and text stream (``enginesim.outputs``)."""
+        engine = self.engine
+        tokenizer = self.tokenizer
+        words = tokenizer.output_words() if tokenizer.exact else None
+        stop_counts = [tokenizer.count_text(s) for s in parsed.stop]
+        plans = []
+        for i in range(parsed.n):
+            seed = parsed.seed + i if parsed.seed is not None else engine.rng.getrandbits(64)
+            rng = random.Random(seed)
+            eos = None if parsed.ignore_eos else self._app[OUTPUT_LEN_KEY].sample(rng)
+            if eos is None and not parsed.ignore_eos and not parsed.max_tokens_explicit:
+                # --output-len max: a request without a limit still ends where a model would
+                eos = self.config.no_limit_len or None
+            end = plan_end(parsed.max_tokens, eos, parsed.stop, stop_counts,
+                           parsed.include_stop_str_in_output)
+            plans.append((end, TextStream(words, rng, end, parsed.stop)))
+        return plans
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         raw = await request.read()
         limits = self.limits
         try:
-            parsed = protocol.parse_request(
-                kind, raw, served_model=cfg.model, max_model_len=cfg.scheduler.max_model_len,
-                bytes_per_token=cfg.bytes_per_token, default_max_tokens=cfg.default_max_tokens,
-                preflight=limits.check if limits.active else None)
+            parsed = await self._parse(kind, raw)
         except protocol.ApiError as exc:
             return _error(exc)
         if limits.active:
@@ -207,23 +245,35 @@ class OpenAIApi:
                 "body_sha256": hashlib.sha256(raw).hexdigest()}
         engine = self.engine
         held_at_arrival = engine.held
-        handle = engine.submit(parsed.prompt_tokens, parsed.max_tokens, info)
+        plans = self._plan(parsed)
+        queue: asyncio.Queue[TokenOutput | None] = asyncio.Queue()
+        prefix = (f"n-{uuid.uuid4().hex}", parsed.prompt_tokens) if parsed.n > 1 else None
+        handles = []
+        for index, (end, _) in enumerate(plans):
+            handles.append(engine.submit(
+                parsed.prompt_tokens, parsed.max_tokens,
+                info if parsed.n == 1 else {**info, "choice": index},
+                eos_at=end.end if end.reason == "stop" else None, prefix=prefix, tokens=queue))
         if limits.active:
-            limits.track(handle)
-        prefix = "chatcmpl" if kind == protocol.CHAT else "cmpl"
-        response_id = f"{prefix}-{header_id or uuid.uuid4().hex}"
+            for handle in handles:
+                limits.track(handle)
+        prefix_id = "chatcmpl" if kind == protocol.CHAT else "cmpl"
+        response_id = f"{prefix_id}-{header_id or uuid.uuid4().hex}"
         created = int(time.time())
+        choices = {h.engine_request_id: (i, h, end, text)
+                   for i, (h, (end, text)) in enumerate(zip(handles, plans, strict=True))}
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, handle, response_id, created,
+                return await self._stream(request, parsed, queue, choices, response_id, created,
                                           prepare_early=not held_at_arrival)
-            return await self._full(parsed, handle, response_id, created)
+            return await self._full(parsed, queue, choices, response_id, created)
         except ConnectionResetError:
             # The client went away mid-stream; the request is aborted below.
             return web.Response(status=499)
         finally:
-            if not handle.done:
-                engine.abort(handle)
+            for handle in handles:
+                if not handle.done:
+                    engine.abort(handle)
 
     async def _stream_refused(self, request: web.Request, parsed: protocol.ParsedRequest,
                               exc: protocol.ApiError) -> web.StreamResponse:
@@ -239,66 +289,137 @@ class OpenAIApi:
         await response.write_eof()
         return response
 
-    async def _full(self, parsed: protocol.ParsedRequest, handle: RequestHandle,
-                    response_id: str, created: int) -> web.Response:
+    @staticmethod
+    async def _tokens(queue: asyncio.Queue[TokenOutput | None], count: int) -> AsyncIterator[TokenOutput]:
+        """The tokens of ``count`` sequences sharing ``queue``, until each has ended."""
+        ended = 0
+        while ended < count:
+            token = await queue.get()
+            if token is None:
+                ended += 1
+            else:
+                yield token
+
+    async def _full(self, parsed: protocol.ParsedRequest, queue: asyncio.Queue[TokenOutput | None],
+                    choices: dict[str, Any], response_id: str, created: int) -> web.Response:
+        texts: dict[str, list[str]] = {rid: [] for rid in choices}
         count = 0
-        while await handle.tokens.get() is not None:
-            if count == 0:
+        async for token in self._tokens(queue, len(choices)):
+            _, handle, _, stream = choices[token.request_id]
+            if not texts[token.request_id]:
                 self.limits.saw_token(handle)
+            texts[token.request_id].append(stream.next())
             count += 1
-        if handle.state != "finished":
+        if any(handle.state != "finished" for _, handle, _, _ in choices.values()):
             return _error(protocol.ApiError(500, "The engine was reset or is shutting down", "InternalServerError"))
-        text = "".join(protocol.token_text(i) for i in range(count))
+        answer = [protocol.Choice("".join(texts[rid]), end.reason, end.stop_reason)
+                  for rid, (_, _, end, _) in choices.items()]
         build = protocol.chat_response if parsed.kind == protocol.CHAT else (
             protocol.completion_response)
-        response = _json(build(response_id, created, parsed.model, text, parsed.prompt_tokens, count))
+        response = _json(build(response_id, created, parsed.model, answer, parsed.prompt_tokens, count))
         assert isinstance(response.body, bytes)
-        handle.arrival["response_sha256"] = hashlib.sha256(response.body).hexdigest()
+        for _, handle, _, _ in choices.values():
+            handle.arrival["response_sha256"] = hashlib.sha256(response.body).hexdigest()
         return response
 
     async def _stream(self, request: web.Request, parsed: protocol.ParsedRequest,
-                      handle: RequestHandle, response_id: str, created: int,
-                      prepare_early: bool) -> web.StreamResponse:
+                      queue: asyncio.Queue[TokenOutput | None], choices: dict[str, Any],
+                      response_id: str, created: int, prepare_early: bool) -> web.StreamResponse:
         response = _DigestingStreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         if prepare_early:
             await response.prepare(request)
         model = parsed.model
         chat = parsed.kind == protocol.CHAT
-        count = 0
-        while (token := await handle.tokens.get()) is not None:
-            if count == 0:
+        counts = {rid: 0 for rid in choices}
+        started: set[str] = set()
+        async for token in self._tokens(queue, len(choices)):
+            index, handle, end, stream = choices[token.request_id]
+            if counts[token.request_id] == 0:
                 self.limits.saw_token(handle)
             if not response.prepared:
                 await response.prepare(request)
+            counts[token.request_id] += 1
+            text = stream.next()
+            if not text and not token.finished:
+                continue  # the EOS token or a withheld stop string: vLLM sends no empty delta
             parts: list[dict[str, Any]] = []
-            if chat and token.index == 0:
-                parts.append(protocol.chat_chunk_first(response_id, created, model))
-            finish = "length" if token.finished else None
-            text = protocol.token_text(token.index)
-            count += 1
+            if chat and token.request_id not in started:
+                started.add(token.request_id)
+                parts.append(protocol.chat_chunk_first(response_id, created, model, index))
+            finish = end.reason if token.finished else None
+            stop_reason = end.stop_reason if token.finished else None
             if chat:
-                chunk = protocol.chat_chunk_token(response_id, created, model, text, finish)
+                chunk = protocol.chat_chunk_token(response_id, created, model, text, finish, index,
+                                                  stop_reason)
             else:
-                chunk = protocol.completion_chunk_token(response_id, created, model, text, finish)
+                chunk = protocol.completion_chunk_token(response_id, created, model, text, finish,
+                                                        index, stop_reason)
             parts.append(chunk)
             if parsed.continuous_usage:
                 for part in parts:
                     part["usage"] = protocol.usage(parsed.prompt_tokens,
-                                                   count if part is chunk else 0)
+                                                   counts[token.request_id] if part is chunk else 0)
             await response.write(b"".join(protocol.sse(part) for part in parts))
         if not response.prepared:
             await response.prepare(request)
-        if handle.state == "finished":
+        if all(handle.state == "finished" for _, handle, _, _ in choices.values()):
             if parsed.include_usage:
                 await response.write(protocol.sse(protocol.usage_chunk(
-                    parsed.kind, response_id, created, model, parsed.prompt_tokens, count)))
+                    parsed.kind, response_id, created, model, parsed.prompt_tokens,
+                    sum(counts.values()))))
         else:
             await response.write(protocol.sse(protocol.ApiError(
                 500, "The engine was reset or is shutting down", "InternalServerError").body()))
         await response.write(protocol.SSE_DONE)
-        handle.arrival["response_sha256"] = response.digest.hexdigest()
+        for _, handle, _, _ in choices.values():
+            handle.arrival["response_sha256"] = response.digest.hexdigest()
         await response.write_eof()
         return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: ``prompt`` (completion) or ``messages`` (+ ``tools``, chat
+        template applied, ``add_generation_prompt`` true by default); answers the ids and count."""
+        cfg = self.config
+        try:
+            body = json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return _error(protocol.ApiError(400, "invalid JSON body", "Bad Request"))
+        if not isinstance(body, dict):
+            return _error(protocol.ApiError(400, "request body must be a JSON object", "Bad Request"))
+        model = body.get("model", cfg.model)
+        if model is not None and model != cfg.model:
+            return _error(protocol.ApiError(404, f"The model `{model}` does not exist.", "NotFoundError"))
+        tokenizer = self.tokenizer
+        try:
+            if "messages" in body:
+                tools = body.get("tools") or None
+                ids = tokenizer.encode_chat(body["messages"], tools,
+                                            body.get("add_generation_prompt", True) is not False)
+            elif isinstance(body.get("prompt"), str):
+                ids = tokenizer.encode_prompt(body["prompt"], body.get("add_special_tokens", True) is not False)
+            else:
+                return _error(protocol.ApiError(400, "Field required: 'prompt' or 'messages'", "Bad Request"))
+        except TemplateError as exc:
+            return _error(protocol.ApiError(400, str(exc), "BadRequestError"))
+        return _json(protocol.tokenize_response([int(i) for i in ids], cfg.scheduler.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
+        cfg = self.config
+        try:
+            body = json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return _error(protocol.ApiError(400, "invalid JSON body", "Bad Request"))
+        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
+            return _error(protocol.ApiError(400, "Field required: 'tokens'", "Bad Request"))
+        model = body.get("model", cfg.model)
+        if model is not None and model != cfg.model:
+            return _error(protocol.ApiError(404, f"The model `{model}` does not exist.", "NotFoundError"))
+        try:
+            text = self.tokenizer.decode(body["tokens"])
+        except TemplateError as exc:
+            return _error(protocol.ApiError(400, str(exc), "BadRequestError"))
+        return _json({"prompt": text})
 
 
 class ControlApi:
@@ -483,6 +604,11 @@ def create_app(config: SimConfig, engine: Engine | None = None) -> web.Applicati
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = engine if engine is not None else Engine(config)
     app[STATE_KEY] = {"metrics_mode": "ok", "shutdown": asyncio.Event()}
+    tokenizer = get_tokenizer(config.tokenizer, config.bytes_per_token)
+    if tokenizer.exact:
+        tokenizer.output_words()  # build the word list now, not on the first request
+    app[TOKENIZER_KEY] = tokenizer
+    app[OUTPUT_LEN_KEY] = OutputLenModel.parse(config.output_len)
     app[LIMITS_KEY] = QueueLimits(config.max_num_queued_reqs, config.max_num_queued_tokens,
                                   lambda: app[ENGINE_KEY].metrics)
 
@@ -508,6 +634,8 @@ def create_app(config: SimConfig, engine: Engine | None = None) -> web.Applicati
     app.router.add_post("/v1/chat/completions", openai_api.chat)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_post("/tokenize", openai_api.tokenize)
+    app.router.add_post("/detokenize", openai_api.detokenize)
     app.router.add_get("/health", openai_api.health)
     app.router.add_get("/metrics", metrics.metrics)
     app.router.add_post("/control/pin", control.pin)

@@ -123,3 +123,21 @@ def test_linear_cost_flags_are_refused_with_the_memory_bound_preset(capsys):
         main(["--preset", "h100-llama8b", "--per-decode-seq-s", "0.01"])
     assert info.value.code == 2
     assert "--per-decode-seq-s applies to the linear cost model" in capsys.readouterr().err
+
+
+def test_the_tokenizer_defaults_to_qwen3_and_bytes_per_token_alone_selects_bytes4():
+    parse = build_parser().parse_args
+    assert config_from_args(parse([])).tokenizer == "qwen3"
+    old = config_from_args(parse(["--bytes-per-token", "64"]))
+    assert (old.tokenizer, old.bytes_per_token) == ("bytes4", 64.0)
+    with pytest.raises(ValueError, match="--bytes-per-token applies to --tokenizer bytes4"):
+        config_from_args(parse(["--tokenizer", "llama3", "--bytes-per-token", "8"]))
+    eos = config_from_args(parse(["--output-len", "lognormal:1500:0.7", "--seed", "9"]))
+    assert (eos.output_len, eos.seed, eos.default_max_tokens) == ("lognormal:1500:0.7", 9, None)
+
+
+def test_a_bad_output_length_model_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--output-len", "uniform:3"])
+    assert info.value.code == 2
+    assert "--output-len" in capsys.readouterr().err

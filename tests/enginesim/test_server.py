@@ -10,10 +10,20 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.scheduler import CostModel, SchedulerConfig
+from enginesim.tokenizer import get_tokenizer
 
 from .conftest import Sim, poll
 
-CHAT = [{"role": "user", "content": "hello there"}]  # 11 bytes -> 3 prompt tokens
+# Qwen3 (the default tokenizer): "hello there" is 2 tokens; the chat template adds 5 for the
+# message and 3 for the generation prompt.
+CHAT = [{"role": "user", "content": "hello there"}]
+CHAT_TOKENS = 10
+QWEN3 = get_tokenizer("qwen3")
+
+
+def words(text: str) -> int:
+    """Tokens of a generated text: each generated word is one token."""
+    return QWEN3.count_text(text)
 
 
 def client_for(sim: Sim) -> openai.AsyncOpenAI:
@@ -44,11 +54,11 @@ async def test_streaming_chat_parses_with_the_openai_client(sim):
     assert chunks[0].object == "chat.completion.chunk"
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == " tok0 tok1 tok2 tok3"
+    assert words(text) == 4 and text.startswith(" ")
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     assert chunks[-1].choices == []
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 4)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (CHAT_TOKENS, 4)
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
 
 
@@ -58,23 +68,31 @@ async def test_streaming_completion_parses_with_the_openai_client(sim):
                                                  max_tokens=3, stream=True)
         chunks = [chunk async for chunk in stream]
 
-    assert [c.choices[0].text for c in chunks] == [" tok0", " tok1", " tok2"]
+    assert [words(c.choices[0].text) for c in chunks] == [1, 1, 1]
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[0].object == "text_completion"
 
 
-async def test_non_streaming_responses_carry_text_and_usage(sim):
+async def test_non_streaming_responses_carry_text_and_usage(make_sim):
+    # max_model_len 64: without max_tokens a request may generate up to the context left
+    small = SchedulerConfig(num_gpu_blocks=64, block_size=16, max_num_seqs=4,
+                            max_num_batched_tokens=2048, max_model_len=64, cost=CostModel(
+                                step_overhead_s=0.001, per_prefill_token_s=0.00001,
+                                per_decode_seq_s=0.001))
+    sim = await make_sim(scheduler=small, no_limit_len=0)  # no EOS: run to the limit
     async with client_for(sim) as client:
         chat = await client.chat.completions.create(model="sim-model", messages=CHAT,
                                                     max_completion_tokens=2)
         completion = await client.completions.create(model="sim-model", prompt="x" * 40)
 
     assert chat.object == "chat.completion"
-    assert chat.choices[0].message.content == " tok0 tok1"
+    assert words(chat.choices[0].message.content) == 2
     assert chat.choices[0].finish_reason == "length"
-    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (3, 2)
-    assert completion.choices[0].text == "".join(f" tok{i}" for i in range(16))  # default 16
-    assert completion.usage.prompt_tokens == 10
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (CHAT_TOKENS, 2)
+    assert completion.usage.prompt_tokens == 5  # forty x: "xxxxxxxx" is one Qwen3 token
+    assert completion.usage.completion_tokens == 64 - 5  # the context left, as vLLM
+    assert words(completion.choices[0].text) == 59
+    assert completion.choices[0].finish_reason == "length"
 
 
 async def test_sse_headers_and_done_marker(sim):
@@ -106,8 +124,8 @@ async def test_invalid_json_is_400(sim):
 async def test_context_overflow_is_400_bad_request(sim):
     async with client_for(sim) as client:
         with pytest.raises(openai.BadRequestError, match="maximum context length is 4096"):
-            await client.completions.create(model="sim-model", prompt="x" * 16000,
-                                            max_tokens=200)
+            await client.completions.create(model="sim-model", prompt="1" * 4000,
+                                            max_tokens=200)  # Qwen3: a token per digit
     state = await sim.state()
     assert state["requests"] == []  # never reached the engine
 
@@ -169,10 +187,10 @@ async def test_metrics_exposes_vllm_0_11_families_with_their_labels(make_sim):
 async def test_metrics_count_tokens_and_requests(sim):
     async with client_for(sim) as client:
         for _ in range(2):
-            await client.completions.create(model="sim-model", prompt="abcdefgh", max_tokens=5)
+            await client.completions.create(model="sim-model", prompt="hello there", max_tokens=5)
     text = await sim.metrics_text()
     labels = {"model_name": "sim-model", "engine": "0"}
-    assert sample(text, "vllm:prompt_tokens_total", **labels) == 4
+    assert sample(text, "vllm:prompt_tokens_total", **labels) == 4  # 2 x 2 Qwen3 tokens
     assert sample(text, "vllm:generation_tokens_total", **labels) == 10
     assert sample(text, "vllm:request_success_total", finished_reason="length") == 2
     assert sample(text, "vllm:time_to_first_token_seconds_count", **labels) == 2
@@ -283,7 +301,7 @@ async def test_hold_keeps_requests_in_place_until_released(sim):
 
         await sim.control("hold", {"hold": False})
         result = await asyncio.wait_for(task, 5)
-    assert result.choices[0].message.content == " tok0 tok1"
+    assert words(result.choices[0].message.content) == 2
     assert (await sim.state())["finished"] == 1
 
 
@@ -410,7 +428,7 @@ async def test_time_scale_keeps_reported_durations_in_engine_seconds(make_sim):
                                 cost=CostModel())
     sim = await make_sim(scheduler=reference, time_scale=1000.0)
     async with client_for(sim) as client:
-        await client.completions.create(model="sim-model", prompt="x" * 4 * 8192,
+        await client.completions.create(model="sim-model", prompt=[1] * 8192,  # token ids
                                         max_tokens=31)
     text = await sim.metrics_text()
     prefill = sample(text, "vllm:request_prefill_time_seconds_sum")
@@ -425,7 +443,7 @@ async def test_time_scale_keeps_reported_durations_in_engine_seconds(make_sim):
 
 async def test_timeline_records_when_the_engine_held_requests_and_their_whole_kv_need(sim):
     await sim.control("hold", {"hold": True})
-    body = {"model": "sim-model", "prompt": "abcdefgh", "max_tokens": 30}  # 2 + 30 tokens: 2 blocks
+    body = {"model": "sim-model", "prompt": "abcdefgh", "max_tokens": 30}  # 1 + 30 tokens (Qwen3): 2 blocks
     task = asyncio.create_task(sim.client.post("/v1/completions", json=body))
 
     async def arrived() -> bool:
@@ -454,5 +472,5 @@ async def test_state_counts_the_tokens_the_engine_computed_for_each_request(sim)
     async with client_for(sim) as client:
         await client.chat.completions.create(model="sim-model", messages=CHAT, max_tokens=4)
     (request,) = (await sim.state())["requests"]
-    # 3 prompt tokens in the prefill (which samples the first token), then one step per further token.
-    assert (request["prompt_tokens"], request["computed_tokens"]) == (3, 3 + 4 - 1)
+    # 10 prompt tokens in the prefill (which samples the first token), then one step per further token.
+    assert (request["prompt_tokens"], request["computed_tokens"]) == (CHAT_TOKENS, CHAT_TOKENS + 4 - 1)

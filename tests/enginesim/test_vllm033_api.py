@@ -22,7 +22,7 @@ from enginesim.metrics import EngineMetrics
 
 from .conftest import Sim, poll, sim_config
 
-CHAT = [{"role": "user", "content": "hello there"}]  # 3 prompt tokens
+CHAT = [{"role": "user", "content": "hello there"}]  # 10 prompt tokens (Qwen3 and its template)
 BUSY = ('{"error":{"message":"The engine is currently busy and cannot accept new requests. '
         'Please try again later or on a different instance.","type":"Service Unavailable",'
         '"param":null,"code":503}}')
@@ -54,7 +54,7 @@ async def post(sim: Sim, path: str, body: dict[str, Any]) -> tuple[int, dict[str
         return resp.status, dict(resp.headers), await resp.read()
 
 
-async def hold_one(sim: Sim, prompt: str = "abcdefgh", max_tokens: int = 4) -> asyncio.Task:
+async def hold_one(sim: Sim, prompt: str = "hello there", max_tokens: int = 4) -> asyncio.Task:
     """A completion that stays in flight (the engine is held) until released."""
     task = asyncio.create_task(post(sim, "/v1/completions", {
         "model": "sim-model", "prompt": prompt, "max_tokens": max_tokens}))
@@ -236,12 +236,12 @@ async def test_n_counts_as_n_slots(make_sim):
 
 
 async def test_max_num_queued_tokens_counts_prompts_until_their_first_token(make_sim):
-    # 8 bytes -> 2 prompt tokens each; limit 4: two requests in prefill reach it.
+    # "hello there": 2 prompt tokens each (Qwen3); limit 4: two requests in prefill reach it.
     sim = await make_sim(max_num_queued_tokens=4)
     await sim.control("hold", {"hold": True})
     held = [await hold_one(sim)]
     held.append(asyncio.create_task(post(sim, "/v1/completions", {
-        "model": "sim-model", "prompt": "abcdefgh", "max_tokens": 4})))
+        "model": "sim-model", "prompt": "hello there", "max_tokens": 4})))
 
     async def two() -> bool:
         return len((await sim.state())["requests"]) == 2
@@ -261,12 +261,12 @@ async def test_max_num_queued_tokens_counts_prompts_until_their_first_token(make
 async def test_a_decoding_request_no_longer_counts_as_queued_tokens(make_sim):
     sim = await make_sim(max_num_queued_tokens=2)
     async with client_for(sim) as client:
-        stream = await client.completions.create(model="sim-model", prompt="abcdefgh",
+        stream = await client.completions.create(model="sim-model", prompt="hello there",
                                                  max_tokens=50, stream=True)
         first = await stream.__anext__()  # its first token: prefill is over
-        assert first.choices[0].text == " tok0"
+        assert first.choices[0].text.startswith(" ")
         # 2 prompt tokens would reach the limit while prefilling; decoding, they do not count.
-        done = await client.completions.create(model="sim-model", prompt="abcdefgh",
+        done = await client.completions.create(model="sim-model", prompt="hello there",
                                                max_tokens=2)
         assert done.usage.completion_tokens == 2
         await stream.close()
