@@ -44,10 +44,12 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from enginesim.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 from extproc.config import DEFAULT_MAX_PARK_SECONDS
 from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
 
 from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, Scenario, build_requests, prompt_content
+from .text import DEFAULT_TEXT, TEXT_KINDS
 
 MODES = ("none", "vllm-builtin", "reference", "full")
 GATED_MODES = ("reference", "full")  # the modes with an admission service
@@ -83,6 +85,9 @@ class BenchConfig:
     sim_args: tuple[str, ...] = ()  # extra enginesim flags, after the preset
     workdir: Path | None = None
     progress: bool = True
+    text: str = DEFAULT_TEXT  # what the prompts are made of (bench.text)
+    tokenizer: str = DEFAULT_TOKENIZER  # the simulator's (enginesim --tokenizer); prompts are sized with it
+    output_len: str | None = None  # enginesim --output-len (None: the scenario's, else max)
 
     @property
     def builtin_queued_reqs(self) -> int:
@@ -110,7 +115,9 @@ class BenchConfig:
         """The simulator's flags: the scenario's preset, the profile, the clock, and vllm-builtin's
         queue limit (what the gate holds: max in-flight + one engine queue slot + the park)."""
         args = ["--preset", self.scenario_def.preset, *self.scenario_def.sim_args, "--profile", self.engine,
-                "--time-scale", f"{self.time_scale:g}", "--log-level", "WARNING"]
+                "--time-scale", f"{self.time_scale:g}", "--log-level", "WARNING", "--tokenizer", self.tokenizer]
+        if self.output_len is not None:
+            args += ["--output-len", self.output_len]
         if self.mode == "vllm-builtin":
             args += ["--max-num-queued-reqs", str(self.builtin_queued_reqs)]
         return [*args, *self.sim_args]
@@ -147,7 +154,8 @@ class RequestRecord:
     sent: float | None = None  # wall, loop clock
     first_token: float | None = None
     finished: float | None = None
-    tokens: int = 0
+    tokens: int = 0  # chunks with text (one generated token each; the EOS token carries none)
+    finish_reason: str | None = None
     outcome: str = "pending"  # completed, rejected, incomplete, gave_up (the client's deadline passed)
     reason: str | None = None
 
@@ -317,8 +325,11 @@ async def _stream(client: openai.AsyncOpenAI, record: RequestRecord, content: st
                     if record.first_token is None:
                         record.first_token = loop.time()
                     record.tokens += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    record.finish_reason = chunk.choices[0].finish_reason
         record.finished = loop.time()
-        if record.tokens == record.spec.max_tokens:
+        # a sequence the model ended (EOS: `stop`, --output-len) is as complete as one at its limit
+        if record.tokens == record.spec.max_tokens or record.finish_reason == "stop":
             record.outcome = "completed"
         else:
             record.outcome, record.reason = "incomplete", f"{record.tokens}/{record.spec.max_tokens} tokens"
@@ -352,7 +363,7 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
     ]
     records = [RequestRecord(spec, spec.index % len(clients)) for spec in specs]
     deadline = cfg.deadline / k if cfg.deadline is not None else None
-    contents = {spec.index: prompt_content(spec, seed) for spec in specs}
+    contents = {spec.index: prompt_content(spec, seed, cfg.text, cfg.tokenizer) for spec in specs}
     sampler = EngineSampler(deployment.engine_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -401,7 +412,79 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
         async with session.get(f"{deployment.engine_url}/control/timeline") as response:
             occupancy = await response.json()
     return {"records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals,
-            "occupancy": occupancy}
+            "occupancy": occupancy, "estimates": service_estimates(cfg, specs, contents)}
+
+
+# --- the service's prompt estimate ---------------------------------------------------------------
+
+
+def request_body(spec: RequestSpec, content: str) -> bytes:
+    """The body `_stream` sends (the openai client's JSON; key order does not matter to the service)."""
+    return json.dumps({"messages": [{"role": "user", "content": content}], "model": SIM_MODEL,
+                       "max_tokens": spec.max_tokens, "stream": True}).encode()
+
+
+def service_estimates(cfg: BenchConfig, specs: Sequence[RequestSpec], contents: dict[int, str]) -> dict[int, int] | None:
+    """The admission service's estimated prompt tokens for each request's body, from extproc's own
+    body facts and estimate (imported, not copied), with this run's service settings. None (and a
+    warning) where the estimator's interface is not the one this was written against."""
+    from extproc import endpoints, estimate
+
+    env = cfg.service_env()
+    try:
+        bytes_per_token = float(env.get("ADMISSION_BYTES_PER_TOKEN", "4"))
+        safety = float(env.get("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"))
+        endpoint = endpoints.endpoint_for("/v1/chat/completions")
+        out = {}
+        for spec in specs:
+            facts = endpoints.body_facts(endpoint, request_body(spec, contents[spec.index]), "application/json",
+                                         True, bytes_per_token)
+            out[spec.index] = estimate.estimate_cost(facts, bytes_per_token, safety, 0).prompt_tokens
+        return out
+    except (TypeError, AttributeError, ValueError) as exc:  # the estimator changed shape
+        print(f"warning: cannot compute the service's estimate ({exc}); estimate_ratio omitted", file=sys.stderr)
+        return None
+
+
+def estimate_ratios(records: Sequence[RequestRecord], arrivals: Sequence[dict[str, Any]],
+                    estimates: dict[int, int] | None) -> dict[str, Any]:
+    """The service's estimated prompt tokens over the engine's counted ones, overall and per class,
+    over the requests that reached the engine (the engine's count is in its arrivals)."""
+    if estimates is None:
+        return {"estimate_ratio": None, "estimate_ratio_by_class": {}}
+    counted = {a["id"]: a.get("prompt_tokens", 0) for a in arrivals}
+    est: Counter[str] = Counter()
+    true: Counter[str] = Counter()
+    for r in records:
+        engine = counted.get(f"bench-{r.spec.index}")
+        if engine:
+            est[r.spec.cls.name] += estimates[r.spec.index]
+            true[r.spec.cls.name] += engine
+    total_true = sum(true.values())
+    return {
+        "estimate_ratio": round(sum(est.values()) / total_true, 3) if total_true else None,
+        "estimate_ratio_by_class": {c: round(est[c] / true[c], 3) for c in true},
+        "engine_prompt_tokens": total_true,
+        "estimated_prompt_tokens": sum(est.values()),
+    }
+
+
+def gateway_estimate_ratio(stacks: Sequence[LocalStack], engine_url: str) -> float | None:
+    """`admission_estimated_prompt_tokens_total` (where the service exports it) over the engine's
+    `vllm:prompt_tokens_total`: the same ratio as the service itself accounts it."""
+    estimated = None
+    for admin_url in dict.fromkeys(stack.admin_url for stack in stacks):
+        status, body = http_get(f"{admin_url}/metrics", timeout=5.0)
+        if status != 200:
+            return None
+        for name, _, value in _metric_samples(body.decode()):
+            if name == "admission_estimated_prompt_tokens_total":
+                estimated = (estimated or 0.0) + value
+    if estimated is None:
+        return None
+    status, body = http_get(f"{engine_url}/metrics", timeout=5.0)
+    engine = sum(v for name, _, v in _metric_samples(body.decode()) if name == "vllm:prompt_tokens_total")
+    return round(estimated / engine, 3) if engine else None
 
 
 # --- statistics and report -----------------------------------------------------------------------
@@ -496,6 +579,9 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "replicas": cfg.replicas,
         "shape": "shared" if cfg.shared and cfg.gated and cfg.replicas > 1 else "sidecar",
         "engine": cfg.engine,
+        "text": cfg.text,
+        "tokenizer": cfg.tokenizer,
+        **({"output_len": cfg.output_len} if cfg.output_len else {}),
         "time_scale": k,
         "seed": seed,
         "requests": len(records),
@@ -512,6 +598,10 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "completed_by_class": {name: sum(1 for r in group if r.outcome == "completed") for name, group in by_class.items()},
         "parked": gateway["parked"] if gateway else 0,
         "preemptions": preemptions,
+        **estimate_ratios(records, run["arrivals"], run.get("estimates")),
+        **({"gateway_estimate_ratio": run["gateway_estimate_ratio"]}
+           if run.get("gateway_estimate_ratio") is not None else {}),
+        "finish_reasons": dict(Counter(r.finish_reason for r in records if r.finish_reason)),
         "preempted_requests": sum(1 for r in state.get("requests", []) if r["preemptions"] > 0),
         "ttft_p50": stat("ttft", 0.50),
         "ttft_p90": stat("ttft", 0.90),
@@ -565,7 +655,8 @@ def _fmt(value: float | None, width: int = 8) -> str:
 def render_run(result: dict[str, Any]) -> str:
     lines = [
         f"scenario {result['scenario']}  engine {result['engine']}  mode {result['mode']}  replicas {result['replicas']}  "
-        f"time scale {result['time_scale']:g}  seed {result['seed']}",
+        f"time scale {result['time_scale']:g}  seed {result['seed']}  text {result.get('text')}  "
+        f"tokenizer {result.get('tokenizer')}",
         "times in engine seconds",
         f"{'class':<7}{'sent':>6}{'done':>6}{'ttft p50':>10}{'ttft p95':>10}{'e2e p50':>10}{'e2e p95':>10}",
     ]
@@ -584,6 +675,9 @@ def render_run(result: dict[str, Any]) -> str:
     if result["mode"] in GATED_MODES:
         lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
                      f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
+    if result.get("estimate_ratio") is not None:
+        by_class = ", ".join(f"{c} {v}" for c, v in result["estimate_ratio_by_class"].items())
+        lines.append(f"prompt estimate / engine count: {result['estimate_ratio']} ({by_class})")
     lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall), "
                  f"throughput {result['throughput_rps']} req/s, held before the engine {result['held_s']} s, "
                  f"of which with room at the engine (parked_while_free_s) {result['parked_while_free_s']} s")
@@ -650,6 +744,8 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
             deployment.start()
             run = asyncio.run(drive(cfg, deployment, specs, seed))
             gateway = gateway_counters(deployment.stacks) if cfg.gated else None
+            if cfg.gated:
+                run["gateway_estimate_ratio"] = gateway_estimate_ratio(deployment.stacks, deployment.engine_url)
             preemptions = engine_preemptions(deployment.engine_url)
         except BaseException:
             if cfg.progress:
@@ -677,6 +773,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--time-scale", type=float, default=None,
         help="engine speed-up K; gateway clocks are scaled by 1/K (default: the scenario's, 20; three-65k 25)")
     add("--seed", type=int, default=None, help="override the scenario's fixed seed")
+    add("--text", choices=TEXT_KINDS, default=DEFAULT_TEXT,
+        help="what the prompts are made of (bench.text): prose, code, json (tool schemas), cjk, hex (the old "
+             "benchmark text) or mixed; each prompt is sized in TRUE tokens on the simulator's tokenizer")
+    add("--tokenizer", choices=TOKENIZERS, default=DEFAULT_TOKENIZER,
+        help="the simulator's tokenizer (enginesim --tokenizer); bytes4 is the old ceil(bytes / 4) rule")
+    add("--output-len", default=None,
+        help="enginesim --output-len: where the model ends a generation (max, fixed:N, geometric:MEAN, "
+             "lognormal:MEAN[:SIGMA]; default: the scenario's, else max)")
     add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
     add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
     add("--spacing", type=float, default=0.5, help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
@@ -731,7 +835,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--mode vllm-builtin needs --engine vllm-0.33 (vLLM 0.11 has no --max-num-queued-reqs)")
     base = dict(scenario=args.scenario, engine=args.engine, shared=args.shared, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
-                extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet)
+                extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet,
+                text=args.text, tokenizer=args.tokenizer, output_len=args.output_len)
     if not args.all:
         result = run_one(BenchConfig(mode=args.mode, replicas=args.replicas, **base))
         print(render_run(result))

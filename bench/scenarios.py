@@ -3,12 +3,15 @@
 A scenario is a list of `RequestSpec`s with arrival offsets in ENGINE seconds; the runner divides
 them by the time scale. Everything is derived from the seed, so a scenario + seed is one fixed load.
 
-Prompt sizes are exact: the simulator counts prompt tokens as ceil(UTF-8 bytes of the message
-contents / 4) (`enginesim --bytes-per-token`, default 4), so a T-token prompt is one user message
-of exactly 4*T ASCII bytes. Each request's content is distinct (its index and seed open it, the
-rest is seeded hex), so nothing can be shared between requests even by an engine with a prefix
-cache. A 65,536-token prompt is a 262,144-byte content and a ~262 KB body, well under the
-service's 1 MiB body cap (MAX_BODY_BYTES).
+Prompt sizes are exact in TRUE tokens: the simulator counts a chat request's prompt with a real
+vocabulary and chat template (`enginesim --tokenizer`, default qwen3), and `bench.text` sizes
+each request's single user message so that the simulator counts exactly the class's tokens,
+template included, whatever the text (`--text prose|code|json|cjk|hex|mixed`, default mixed).
+With `--tokenizer bytes4` (the simulator's old rule, ceil(UTF-8 bytes / 4)) a T-token prompt is
+exactly 4*T bytes, and `--text hex` is the old benchmark text byte for byte. Each request's
+content is distinct (its index and seed open it, the rest is drawn from the seed), so nothing
+can be shared between requests even by an engine with a prefix cache. A 65,536-token prompt is
+~280 KB of mixed text (~75 KB of hex), under the service's 1 MiB body cap (MAX_BODY_BYTES).
 
 Prompt classes (name: prompt tokens, max_tokens):
     65k: 65,536 / 256     8k: 8,192 / 128     1k: 1,024 / 64     smoke: 256 / 16     short: 32 / 3
@@ -24,7 +27,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BYTES_PER_TOKEN = 4  # enginesim's default --bytes-per-token
+from enginesim.tokenizer import DEFAULT_TOKENIZER
+
+from .text import DEFAULT_TEXT, sized_content
+
+BYTES_PER_TOKEN = 4  # enginesim's bytes4 tokenizer
 
 
 @dataclass(frozen=True)
@@ -100,12 +107,12 @@ class Scenario:
     builtin_queued_reqs: int | None = None
 
 
-def prompt_content(spec: RequestSpec, seed: int) -> str:
-    """Exactly prompt_tokens * 4 ASCII bytes, distinct per request and seed."""
-    size = spec.prompt_tokens * BYTES_PER_TOKEN
+def prompt_content(spec: RequestSpec, seed: int, text: str = DEFAULT_TEXT,
+                   tokenizer: str = DEFAULT_TOKENIZER) -> str:
+    """A user message whose chat request the simulator's `tokenizer` counts at exactly the
+    class's prompt tokens, distinct per request and seed (see bench.text)."""
     head = f"[bench request {spec.index} seed {seed} class {spec.cls.name}] "
-    body = random.Random(f"{seed}/{spec.index}").randbytes(size // 2 + 1).hex()
-    return (head + body)[:size]
+    return sized_content(text, spec.prompt_tokens, seed, spec.index, head=head, tokenizer_name=tokenizer)
 
 
 def _burst(counts: dict[str, int], shuffle: bool = True) -> Callable[[random.Random, LoadShape], list[RequestSpec]]:
@@ -181,6 +188,12 @@ SCENARIOS: dict[str, Scenario] = {
                  # Envoy and simulator can carry in ~80 s; faster, the sends fall behind the schedule
                  seed=21, build=_burst({"think": 40}), time_scale=1.0, preset="h100-llama8b",
                  sim_args=("--num-gpu-blocks", "8000", "--max-model-len", "32768"),
+                 limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 1800.0))),
+        Scenario("reasoning-eos", "reasoning, but each turn ends where the model samples its end (lognormal, mean "
+                 "1,500 tokens, sigma 0.7) well below max_tokens 4,000: what a budget that reserves max_tokens "
+                 "over-reserves, and what an expected length learned from vllm:request_generation_tokens would save",
+                 seed=21, build=_burst({"think": 40}), time_scale=1.0, preset="h100-llama8b",
+                 sim_args=("--num-gpu-blocks", "8000", "--max-model-len", "32768", "--output-len", "lognormal:1500:0.7"),
                  limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 1800.0))),
         Scenario("overload", "RAG requests (4,000-token prompt, 64 generated) arriving at 2.5x what h100-llama8b "
                  "can prefill (Poisson, 16/s for 60 s); each client gives up after 20 s and disconnects",
