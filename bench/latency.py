@@ -1,11 +1,13 @@
 """Latency and CPU the admission service adds to an admitted request, side by side with Envoy alone.
 
-    python -m bench.latency [--requests 1000] [--body-bytes 1024]
+    python -m bench.latency [--requests 1000] [--body-bytes 1024] [--ledger local|redis]
 
 Two Envoys front one simulator: one with the ext_proc filter (and the service), one without.
 Requests alternate between them on keep-alive connections, so drift in the simulator or the
 machine hits both equally. Each request is a non-streaming chat completion with a ~1 KB body and
-max_tokens=1. Prints a table and, last, one JSON object.
+max_tokens=1. With `--ledger redis` the service keeps its ledger in a local redis-server (one
+round trip per decision), which measures what the shared ledger adds. Prints a table and, last,
+one JSON object.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from extproc.devstack import LocalStack, http_get
+from extproc.devstack import LocalStack, RedisServer, http_get
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -51,12 +53,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests per path (default: %(default)s)")
     parser.add_argument("--body-bytes", type=int, default=1024, help="request body size (default: %(default)s)")
+    parser.add_argument("--ledger", choices=("local", "redis"), default="local",
+                        help="the service's ledger; redis starts a local redis-server (default: %(default)s)")
     args = parser.parse_args(argv)
 
     body = _body(args.body_bytes)
     with tempfile.TemporaryDirectory() as tmp:
-        gated = LocalStack(Path(tmp) / "gated", extproc_env={"ADMISSION_OBSERVE_MODELS": "sim-model",
-                                                             "EXTPROC_LOG_LEVEL": "WARNING"}).start()
+        env = {"ADMISSION_OBSERVE_MODELS": "sim-model", "EXTPROC_LOG_LEVEL": "WARNING"}
+        redis = RedisServer(Path(tmp) / "redis").start() if args.ledger == "redis" else None
+        if redis is not None:
+            env.update({"ADMISSION_LEDGER": "redis", "ADMISSION_REDIS_URL": redis.url})
+        try:
+            gated = LocalStack(Path(tmp) / "gated", extproc_env=env).start()
+        except BaseException:
+            if redis is not None:
+                redis.stop()
+            raise
         plain = LocalStack(Path(tmp) / "plain", engine_url=gated.engine_base, with_extproc=False)
         try:
             plain.start()
@@ -90,19 +102,27 @@ def main(argv: list[str] | None = None) -> int:
             rss = _rss_mib(pid)
             status, text = http_get(f"{gated.admin_url}/metrics")
             decision_sum = decision_count = 0.0
+            ledger_sum = ledger_count = 0.0
             for line in text.decode().splitlines():
                 if line.startswith("admission_decision_latency_seconds_sum"):
                     decision_sum += float(line.rsplit(" ", 1)[1])
                 elif line.startswith("admission_decision_latency_seconds_count"):
                     decision_count += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("admission_ledger_round_trip_seconds_sum"):
+                    ledger_sum += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("admission_ledger_round_trip_seconds_count"):
+                    ledger_count += float(line.rsplit(" ", 1)[1])
         finally:
             plain.stop()
             gated.stop()
+            if redis is not None:
+                redis.stop()
 
     ms = {name: [v * 1000 for v in values] for name, values in samples.items()}
     result = {
         "requests": args.requests,
         "body_bytes": len(body),
+        "ledger": args.ledger,
         "envoy_only_p50_ms": round(_pct(ms["envoy only"], 0.5), 3),
         "envoy_only_p99_ms": round(_pct(ms["envoy only"], 0.99), 3),
         "with_extproc_p50_ms": round(_pct(ms["envoy+extproc"], 0.5), 3),
@@ -113,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         "service_decision_mean_ms": round(decision_sum / decision_count * 1000, 4) if decision_count else None,
         "service_cpu_ms_per_request": round(cpu / args.requests * 1000, 3),
         "service_rss_mib": round(rss, 1),
+        "ledger_round_trip_mean_ms": round(ledger_sum / ledger_count * 1000, 4) if ledger_count else None,
+        "ledger_round_trips_per_request": round(ledger_count / (args.requests + 50), 2) if ledger_count else None,
     }
     print(f"{'path':<16}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
     for name, values in ms.items():
