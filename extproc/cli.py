@@ -1,4 +1,4 @@
-"""The `extproc` command: serve, print the Envoy config, or check the configuration."""
+"""The `extproc` command: serve, print the Envoy config, check the configuration or an engine."""
 
 from __future__ import annotations
 
@@ -91,6 +91,21 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("check-config", help="validate the configuration, print it as JSON, exit 0 or 2",
                    epilog=ENVIRONMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    check = sub.add_parser(
+        "check", help="scrape engines' metrics once and show what the service would parse and decide",
+        description=(
+            "Scrape each engine's metrics once and print what the service would make of them: dialect and "
+            "apparent vLLM version, the series admission needs (found or missing), running, waiting, KV usage, "
+            "DP ranks, KV capacity and its source, the effective limits from this environment, and what the "
+            "gate would decide now for a 1k, 8k and 65k-token prompt. Exit 0 when all is usable, 1 when an "
+            "engine is unreachable or a required series is missing or unparsable, 2 on a configuration error."),
+        epilog=ENVIRONMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("urls", nargs="*", metavar="URL",
+                       help="engine base URL (/metrics is added) or metrics URL; default: every configured engine")
+    check.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    check.add_argument("--timeout", type=float, default=None,
+                       help="seconds to wait for each engine (default: ENGINE_POLL_INTERVAL_SECONDS, as the service)")
     return parser
 
 
@@ -115,6 +130,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return 0
     if command == "envoy-config":
         return _envoy_config(args, settings)
+    if command == "check":
+        from .check import run
+
+        status, text = run(settings, args.urls, as_json=args.json, timeout=args.timeout)
+        sys.stdout.write(text)
+        return status
     return _serve(settings, getattr(args, "grace", 10.0))
 
 

@@ -1,0 +1,270 @@
+"""`extproc check URL...`: scrape an engine's metrics once and say what the service would make of them.
+
+For each engine: whether it answers, which metrics dialect it speaks and what that suggests about
+its version, which series admission needs were found or are missing, the numbers the service would
+parse (with the very parser the observer uses, `enginemetrics.parse_engine_metrics`), where the KV
+capacity comes from, the effective limits (the same settings loader as `extproc serve`), and what
+the gate (a real `gate.EngineGate` with those limits, fed this one scrape) would decide now for a
+1k, 8k and 65k-token prompt. Nothing is sent to the engine but one GET of its metrics.
+
+Exit status: 0 when every engine answered with every required series parsable; 1 when one was
+unreachable, answered an HTTP error, lacked a required series or could not be parsed; 2 for a
+configuration error (as every other subcommand).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from .admission import gate_limits
+from .config import EngineConfig, Settings
+from .enginemetrics import (
+    CACHE_CONFIG,
+    KV_USAGE,
+    KV_USAGE_LEGACY,
+    RUNNING,
+    WAITING,
+    EngineGauges,
+    MetricsFormatError,
+    parse_engine_metrics,
+)
+from .gate import EngineGate, EngineSnapshot, EngineState, Ticket
+from .outcomes import Outcome
+
+#: Prompt sizes the report shows the gate's decision for.
+PROMPT_SIZES = (1024, 8192, 65536)
+
+_SAMPLE_NAME = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)[{ ]", re.MULTILINE)
+
+#: Families other engines expose instead of vLLM's (DESIGN.md, "Other dialects").
+_DIALECTS = (("vllm", "vllm:"), ("sglang", "sglang:"), ("trtllm", "trtllm_"))
+
+
+@dataclass(frozen=True)
+class Scrape:
+    url: str
+    status: int | None  # HTTP status, None when nothing answered
+    text: str
+    seconds: float
+    error: str | None = None
+
+
+def metrics_url(url: str) -> str:
+    """An engine's metrics URL: `url` itself if it names a path, else `url` + /metrics."""
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    path = url.split("://", 1)[1].partition("/")[2]
+    return url if path else f"{url}/metrics"
+
+
+def scrape(url: str, timeout: float) -> Scrape:
+    """One GET of the metrics, as the observer sends it (plain text, no OpenMetrics)."""
+    request = urllib.request.Request(url, headers={"Accept": "text/plain"})
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode("utf-8", errors="replace")
+            return Scrape(url, response.status, text, time.perf_counter() - started)
+    except urllib.error.HTTPError as exc:
+        return Scrape(url, exc.code, "", time.perf_counter() - started, f"HTTP {exc.code} {exc.reason}")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return Scrape(url, None, "", time.perf_counter() - started, f"unreachable: {reason}")
+
+
+def _dialect(names: set[str]) -> str:
+    for dialect, prefix in _DIALECTS:
+        if any(n.startswith(prefix) for n in names):
+            return dialect
+    return "unknown"
+
+
+def _apparent_version(names: set[str]) -> str:
+    """What the families present say about the vLLM version (vLLM exposes no version series)."""
+    if KV_USAGE not in names and KV_USAGE_LEGACY in names:
+        return f"< 0.11 (only the legacy {KV_USAGE_LEGACY})"
+    if KV_USAGE not in names:
+        return "unknown"
+    if "vllm:num_requests_waiting_by_reason" in names or "vllm:engine_sleep_state" in names:
+        return ">= 0.11, recent (vllm:num_requests_waiting_by_reason / vllm:engine_sleep_state, as in 0.33)"
+    return ">= 0.11 (vllm:kv_cache_usage_perc; none of the families newer releases add)"
+
+
+def _series(names: set[str]) -> list[dict[str, Any]]:
+    kv = KV_USAGE if KV_USAGE in names or KV_USAGE_LEGACY not in names else KV_USAGE_LEGACY
+    rows = [(RUNNING, True, "running requests"), (WAITING, True, "waiting requests"),
+            (kv, True, "KV cache usage (fraction)"),
+            (CACHE_CONFIG, False, "KV capacity for the token budget (else kv_capacity_tokens)")]
+    return [{"name": name, "required": required, "found": name in names, "for": what}
+            for name, required, what in rows]
+
+
+def _engine_for(settings: Settings, url: str) -> tuple[EngineConfig, str]:
+    """The configured engine whose limits apply to `url`, and how it was chosen."""
+    for engine in settings.engines:
+        if url in (engine.metrics_url, metrics_url(engine.url)):
+            return engine, f"configured engine {engine.name!r}"
+    engine = settings.engines[0]
+    return engine, f"no configured engine has this URL: the limits of {engine.name!r}"
+
+
+def _limits(settings: Settings, engine: EngineConfig) -> dict[str, Any]:
+    limits = gate_limits(settings, engine)
+    return {
+        "max_inflight": limits.max_inflight,
+        "engine_queue_slots": settings.effective_engine_queue_slots,
+        "kv_threshold": limits.kv_threshold,
+        "max_queue_depth": limits.max_queue_depth,
+        "max_park_seconds": limits.max_park_seconds,
+        "kv_budget": settings.kv_budget and settings.local_accounting,
+        "kv_capacity_tokens": limits.kv_capacity_override,
+        "default_max_tokens": settings.default_max_tokens,
+        "bytes_per_token": settings.bytes_per_token,
+        "stale_after_polls": limits.stale_after_polls,
+        "poll_interval_s": settings.poll_interval,
+    }
+
+
+def _capacity(gauges: EngineGauges | None, engine: EngineConfig) -> tuple[int | None, str]:
+    if gauges is not None and gauges.capacity_tokens:
+        return gauges.capacity_tokens, f"{CACHE_CONFIG} (num_gpu_blocks x block_size)"
+    if engine.limits.kv_capacity_tokens:
+        return engine.limits.kv_capacity_tokens, "configured (ADMISSION_KV_CAPACITY_TOKENS / kv_capacity_tokens)"
+    return None, "the KV-token budget is inactive, only the reference gates apply"
+
+
+def _gate(settings: Settings, engine: EngineConfig, gauges: EngineGauges | None) -> EngineGate:
+    gate = EngineGate(gate_limits(settings, engine))
+    if gauges is not None:
+        gate.observe(EngineSnapshot(running=gauges.running, waiting=gauges.waiting, kv_usage=gauges.kv_usage,
+                                    scrape_started=0.0, capacity_tokens=gauges.capacity_tokens,
+                                    block_size=gauges.block_size), 0.0)
+    return gate
+
+
+def _why(gate: EngineGate, ticket: Ticket, outcome: Outcome) -> str:
+    limits = gate.limits
+    if outcome is Outcome.ADMITTED_FAIL_OPEN:
+        return "no usable engine state: the service fails open and admits everything"
+    if outcome is Outcome.EXCEEDS_KV_CAPACITY:
+        return f"needs {gate.cost(ticket)} KV tokens, more than the whole cache ({gate.capacity_tokens})"
+    snap = gate.snapshot
+    assert snap is not None and gate.state is EngineState.FRESH
+    load, available = gate.effective_load(), gate.available_tokens()
+    budgeting = limits.kv_budget and limits.local_accounting
+    slots = limits.max_inflight + (limits.engine_queue_slots if budgeting else 0)
+    if not gate.is_open():
+        if snap.kv_usage >= limits.kv_threshold:
+            return f"KV usage {snap.kv_usage:.3f} >= threshold {limits.kv_threshold}"
+        return f"running + waiting = {load} >= {slots} slots"
+    if available is not None and gate.cost(ticket) > available:
+        return f"needs {gate.cost(ticket)} KV tokens, {available} free"
+    budget = f", needs {gate.cost(ticket)} of {available} free KV tokens" if available is not None else ""
+    return f"running + waiting = {load} < {slots} slots, KV usage {snap.kv_usage:.3f} < {limits.kv_threshold}{budget}"
+
+
+def _decisions(settings: Settings, engine: EngineConfig, gauges: EngineGauges | None) -> list[dict[str, Any]]:
+    rows = []
+    for prompt in PROMPT_SIZES:
+        ticket = Ticket(model="check", arrived=0.0, tokens=prompt + settings.default_max_tokens)
+        view = _gate(settings, engine, gauges)  # the state before the arrival, for the explanation
+        outcome = _gate(settings, engine, gauges).arrive(ticket, 0.0).outcome  # arriving changes a gate
+        rows.append({"prompt_tokens": prompt, "generation_tokens": settings.default_max_tokens,
+                     "kv_cost_tokens": view.cost(ticket), "decision": outcome.value, "why": _why(view, ticket, outcome)})
+    return rows
+
+
+def check_engine(settings: Settings, url: str, timeout: float) -> dict[str, Any]:
+    """Everything `extproc check` reports about one engine, as a JSON-able dict; `ok` is the verdict."""
+    url = metrics_url(url)
+    engine, matched = _engine_for(settings, url)
+    got = scrape(url, timeout)
+    report: dict[str, Any] = {
+        "url": url, "engine": engine.name, "limits_from": matched,
+        "reachable": got.status is not None, "http_status": got.status,
+        "scrape_ms": round(got.seconds * 1000, 1), "bytes": len(got.text.encode()),
+        "problems": [],
+    }
+    gauges: EngineGauges | None = None
+    if got.error is not None:
+        report["problems"].append(got.error)
+    else:
+        names = set(_SAMPLE_NAME.findall(got.text))
+        report["dialect"] = _dialect(names)
+        report["apparent_version"] = _apparent_version(names) if report["dialect"] == "vllm" else None
+        report["series"] = _series(names)
+        if report["dialect"] in ("sglang", "trtllm"):
+            report["problems"].append(f"{report['dialect']} metrics: the service reads vLLM's gauges only")
+        for row in report["series"]:
+            if row["required"] and not row["found"]:
+                report["problems"].append(f"required series missing: {row['name']}")
+        missing = bool(report["problems"])
+        try:
+            gauges = parse_engine_metrics(got.text)
+        except MetricsFormatError as exc:
+            if not missing:  # else the missing series are the reason, already said
+                report["problems"].append(f"the service cannot use this document: {exc}")
+    capacity, source = _capacity(gauges, engine)
+    report["parsed"] = None if gauges is None else {
+        "running": gauges.running, "waiting": gauges.waiting, "kv_usage": gauges.kv_usage,
+        "dp_ranks": gauges.ranks, "block_size": gauges.block_size,
+    }
+    report["capacity_tokens"] = capacity
+    report["capacity_source"] = source
+    report["limits"] = _limits(settings, engine)
+    if gauges is not None and gauges.running > engine.limits.max_inflight:
+        report["warnings"] = [
+            f"the engine runs {gauges.running} requests, more than max_inflight {engine.limits.max_inflight}: "
+            "max_inflight must equal the engine's --max-num-seqs"]
+    report["gate"] = _decisions(settings, engine, gauges)
+    report["ok"] = not report["problems"]
+    return report
+
+
+def render_text(reports: list[dict[str, Any]]) -> str:
+    out: list[str] = []
+    for r in reports:
+        out.append(f"engine {r['engine']}: {r['url']}  [{'OK' if r['ok'] else 'PROBLEM'}]")
+        if r["reachable"]:
+            out.append(f"  scrape: HTTP {r['http_status']}, {r['bytes']} bytes in {r['scrape_ms']} ms")
+        if "dialect" in r:
+            version = f", apparent version {r['apparent_version']}" if r.get("apparent_version") else ""
+            out.append(f"  dialect: {r['dialect']}{version}")
+            for s in r["series"]:
+                kind = "required" if s["required"] else "optional"
+                out.append(f"    {'found  ' if s['found'] else 'MISSING'} {s['name']}  ({kind}: {s['for']})")
+        p = r["parsed"]
+        if p is not None:
+            out.append(f"  parsed: running {p['running']}, waiting {p['waiting']}, KV usage {p['kv_usage']:.3f}, "
+                       f"DP ranks {p['dp_ranks']}, block size {p['block_size']}")
+        capacity = "unknown" if r["capacity_tokens"] is None else f"{r['capacity_tokens']} tokens"
+        out.append(f"  KV capacity: {capacity} ({r['capacity_source']})")
+        lim = r["limits"]
+        out.append(f"  limits ({r['limits_from']}): max_inflight {lim['max_inflight']} + engine queue slots "
+                   f"{lim['engine_queue_slots']}, kv_threshold {lim['kv_threshold']}, max_queue_depth "
+                   f"{lim['max_queue_depth']}, max_park_seconds {lim['max_park_seconds']:g}, kv_budget "
+                   f"{'on' if lim['kv_budget'] else 'off'}, default_max_tokens {lim['default_max_tokens']}")
+        out.append("  the gate would decide now:")
+        for d in r["gate"]:
+            out.append(f"    {d['prompt_tokens']:>6}-token prompt (+{d['generation_tokens']} generation, "
+                       f"{d['kv_cost_tokens']} KV): {d['decision']}: {d['why']}")
+        for w in r.get("warnings", []):
+            out.append(f"  WARNING: {w}")
+        for problem in r["problems"]:
+            out.append(f"  PROBLEM: {problem}")
+    return "\n".join(out) + "\n"
+
+
+def run(settings: Settings, urls: list[str], *, as_json: bool, timeout: float | None = None) -> tuple[int, str]:
+    """Check `urls` (default: every configured engine); the exit status and the text to print."""
+    targets = urls or [e.metrics_url for e in settings.engines]
+    reports = [check_engine(settings, url, timeout or settings.poll_interval) for url in targets]
+    text = json.dumps({"engines": reports}, indent=2) + "\n" if as_json else render_text(reports)
+    return (0 if all(r["ok"] for r in reports) else 1), text
