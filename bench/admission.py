@@ -31,6 +31,7 @@ import asyncio
 import bisect
 import contextlib
 import json
+import signal
 import math
 import sys
 import tempfile
@@ -46,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 from extproc.config import DEFAULT_MAX_PARK_SECONDS
-from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
+from extproc.devstack import SIM_MODEL, LocalStack, RedisServer, http_get, wait_until
 
 from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, Scenario, build_requests, prompt_content
 from .text import DEFAULT_TEXT, TEXT_KINDS
@@ -72,6 +73,8 @@ class BenchConfig:
     engine: str = ENGINES[0]  # the vLLM version the simulator behaves as
     replicas: int = 1
     shared: bool = False  # the replicas' Envoys share ONE admission service (one ledger)
+    ledger: str = "local"  # each replica's own ledger, or one shared ledger on a redis-server started for the run
+    fault: str | None = None  # kill-replica@S or redis-restart@S+D (engine seconds after the first send)
     time_scale: float = DEFAULT_TIME_SCALE
     seed: int | None = None
     shape: LoadShape = LoadShape()
@@ -196,6 +199,76 @@ class EngineSampler:
                 await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
 
 
+# --- faults (shared ledger) ---------------------------------------------------------------------
+
+LEDGER_LEASE_S = 5.0  # engine seconds: the service's default lease, scaled like its other clocks
+
+
+def parse_fault(text: str) -> tuple[str, float, float]:
+    """`kill-replica@S` or `redis-restart@S+D` -> (kind, at, down), engine seconds."""
+    kind, sep, when = text.partition("@")
+    if not sep or kind not in ("kill-replica", "redis-restart"):
+        raise ValueError("must be kill-replica@S or redis-restart@S+D")
+    at, _, down = when.partition("+")
+    at_s, down_s = float(at), float(down or 0)
+    if at_s < 0 or down_s < 0 or (kind == "redis-restart") != bool(down):
+        raise ValueError("S and D are engine seconds >= 0; redis-restart needs +D, kill-replica takes none")
+    return kind, at_s, down_s
+
+
+def _ledger_owners(url: str) -> list[str]:
+    """The replica of every ticket (parked or admitted) in the shared state of engine `default`."""
+    import redis as redis_sync
+
+    client = redis_sync.Redis.from_url(url, socket_timeout=1.0, decode_responses=True)
+    try:
+        state = client.hget("{llm-admission:default}:state", "state")
+    finally:
+        client.close()
+    doc = json.loads(state) if state else {}
+    return [t["o"] for t in (*doc.get("q", []), *doc.get("in", []))]
+
+
+async def inject_fault(cfg: BenchConfig, deployment: Deployment, t0: float) -> dict[str, Any]:
+    """Inject `cfg.fault` and measure what it cost: for a killed replica, how long its tickets
+    stayed in the shared state (the capacity it held); for a Redis restart, how long until every
+    replica decided on the shared state again."""
+    assert cfg.fault is not None and deployment.redis is not None
+    kind, at, down = parse_fault(cfg.fault)
+    k, loop = cfg.time_scale, asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + at / k - loop.time()))
+    report: dict[str, Any] = {"kind": kind, "at_s": at}
+    if kind == "kill-replica":
+        victim = deployment.stacks[-1]
+        name = f"replica{len(deployment.stacks) - 1}"
+        assert victim.extproc is not None and victim.extproc.process is not None
+        held = _ledger_owners(deployment.redis.url).count(name)
+        victim.extproc.process.send_signal(signal.SIGKILL)
+        killed = loop.time()
+        while _ledger_owners(deployment.redis.url).count(name):
+            await asyncio.sleep(0.02)
+        report.update(replica=name, tickets_held=held, capacity_returned_s=round((loop.time() - killed) * k, 2),
+                      capacity_returned_wall_s=round(loop.time() - killed, 3))
+    else:
+        deployment.redis.stop()
+        await asyncio.sleep(down / k)
+        deployment.redis.start()
+        restarted = loop.time()
+
+        def all_shared() -> bool:
+            for stack in deployment.stacks:
+                status, body = http_get(f"{stack.admin_url}/metrics", timeout=2.0)
+                if status != 200 or any(v for n, _, v in _metric_samples(body.decode()) if n == "admission_ledger_degraded"):
+                    return False
+            return True
+
+        while not await asyncio.to_thread(all_shared):
+            await asyncio.sleep(0.02)
+        report.update(down_s=down, recovered_after_restart_s=round((loop.time() - restarted) * k, 2),
+                      recovered_after_restart_wall_s=round(loop.time() - restarted, 3))
+    return report
+
+
 # --- stacks --------------------------------------------------------------------------------------
 
 
@@ -213,6 +286,7 @@ class Deployment:
         self.stacks = [first]
         self._first = first
         self._cfg = cfg
+        self.redis: RedisServer | None = None
         self._workdir, self._env, self._gated = workdir, env, gated
 
     @property
@@ -221,10 +295,17 @@ class Deployment:
 
     def start(self) -> None:
         first, cfg = self._first, self._cfg
+        if cfg.ledger == "redis" and self._gated:
+            self.redis = RedisServer(self._workdir / "redis").start()
+            # The lease is a gateway clock like the others: 5 s of engine time, scaled by 1/K.
+            self._env = {**self._env, "ADMISSION_LEDGER": "redis", "ADMISSION_REDIS_URL": self.redis.url,
+                         "ADMISSION_LEDGER_LEASE_SECONDS": f"{max(0.1, LEDGER_LEASE_S / cfg.time_scale):g}"}
+            first.extproc_env = {**self._env, "ADMISSION_REPLICA_ID": "replica0"}
         first.start()
         shared = first if cfg.shared and self._gated else None
         for i in range(1, cfg.replicas):  # built once the engine's port is final
-            stack = LocalStack(self._workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=self._env,
+            env = {**self._env, "ADMISSION_REPLICA_ID": f"replica{i}"} if self.redis is not None else self._env
+            stack = LocalStack(self._workdir / f"replica{i}", engine_url=first.engine_base, extproc_env=env,
                                with_extproc=self._gated, shared_extproc=shared, envoy_args=self._envoy_args)
             self.stacks.append(stack)
             stack.start()
@@ -235,6 +316,8 @@ class Deployment:
     def stop(self) -> None:
         for stack in reversed(self.stacks):  # the first one owns the simulator: stop it last
             stack.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
     def logs(self) -> str:
         return "\n".join(stack.logs() for stack in self.stacks)
@@ -257,7 +340,9 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
     rejected: Counter[str] = Counter()
     admitted: Counter[str] = Counter()
     poll_failures: Counter[str] = Counter()
-    for admin_url in dict.fromkeys(stack.admin_url for stack in stacks):  # a shared service once
+    degraded = expiries = 0.0
+    live = [s for s in stacks if s.service.extproc is not None and s.service.extproc.alive()]  # a fault may kill one
+    for admin_url in dict.fromkeys(stack.admin_url for stack in live):  # a shared service once
         status, body = http_get(f"{admin_url}/metrics", timeout=5.0)
         if status != 200:
             raise RuntimeError(f"{admin_url}/metrics answered {status}")
@@ -272,8 +357,13 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
                 admitted[labels.get("via", "?")] += int(value)
             elif name == "engine_poll_failures_total" and value:
                 poll_failures[labels.get("reason", "?")] += int(value)
+            elif name == "admission_ledger_degraded_transitions_total":
+                degraded += value
+            elif name == "admission_ledger_lease_expiries_total":
+                expiries += value
     return {"parked": int(parked), "stale_transitions": int(stale), "rejected": dict(rejected),
-            "admitted": dict(admitted), "poll_failures": dict(poll_failures)}
+            "admitted": dict(admitted), "poll_failures": dict(poll_failures),
+            "ledger_degraded_transitions": int(degraded), "ledger_lease_expiries": int(expiries)}
 
 
 def engine_preemptions(engine_url: str) -> int:
@@ -392,6 +482,7 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             await client.models.list()
         t0 = loop.time()
         progress_task = asyncio.create_task(progress())
+        fault_task = asyncio.create_task(inject_fault(cfg, deployment, t0)) if cfg.fault else None
         concurrency = cfg.concurrency
         try:
             if concurrency:
@@ -402,7 +493,13 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             wall = loop.time() - t0
         finally:
             stop.set()
+            if fault_task is not None and not fault_task.done():
+                fault_task.cancel()
             await asyncio.gather(sampler_task, progress_task, return_exceptions=True)
+            fault = None
+            if fault_task is not None:
+                done = (await asyncio.gather(fault_task, return_exceptions=True))[0]
+                fault = done if isinstance(done, dict) else {"error": repr(done)}
             for client in clients:
                 await client.close()
         async with session.get(f"{deployment.engine_url}/control/state") as response:
@@ -411,7 +508,7 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             arrivals = (await response.json())["arrivals"]
         async with session.get(f"{deployment.engine_url}/control/timeline") as response:
             occupancy = await response.json()
-    return {"records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals,
+    return {"fault": fault, "records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals,
             "occupancy": occupancy, "estimates": service_estimates(cfg, specs, contents)}
 
 
@@ -473,6 +570,8 @@ def gateway_estimate_ratio(stacks: Sequence[LocalStack], engine_url: str) -> flo
     """`admission_estimated_prompt_tokens_total` (where the service exports it) over the engine's
     `vllm:prompt_tokens_total`: the same ratio as the service itself accounts it."""
     estimated = None
+    if any(s.service.extproc is None or not s.service.extproc.alive() for s in stacks if s.with_extproc):
+        return None  # a service killed by a fault took its counters with it
     for admin_url in dict.fromkeys(stack.admin_url for stack in stacks):
         status, body = http_get(f"{admin_url}/metrics", timeout=5.0)
         if status != 200:
@@ -578,6 +677,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "mode": cfg.mode,
         "replicas": cfg.replicas,
         "shape": "shared" if cfg.shared and cfg.gated and cfg.replicas > 1 else "sidecar",
+        "ledger": cfg.ledger if cfg.gated else None,
         "engine": cfg.engine,
         "text": cfg.text,
         "tokenizer": cfg.tokenizer,
@@ -624,6 +724,9 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "held_s": _r(held_s * k, 2),
         "parked_while_free_s": _r(free_s * k, 2),
         "stale_transitions": gateway["stale_transitions"] if gateway else 0,
+        "ledger_degraded_transitions": gateway["ledger_degraded_transitions"] if gateway else 0,
+        "ledger_lease_expiries": gateway["ledger_lease_expiries"] if gateway else 0,
+        "fault": run.get("fault"),
         "poll_failures": gateway["poll_failures"] if gateway else {},
         "gateway_admitted": gateway["admitted"] if gateway else {},
         "gateway_rejected": gateway["rejected"] if gateway else {},
@@ -770,6 +873,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--replicas-list", default="1,3", help="with --all: the replica counts to run")
     add("--shared", action="store_true",
         help="the replicas' Envoys share ONE admission service (the exact-budget shape) instead of one each")
+    add("--ledger", choices=("local", "redis"), default="local",
+        help="sidecar replicas' ledger: each its own (local), or one shared on a redis-server started for the run")
+    add("--fault", default=None, metavar="KIND@S[+D]",
+        help="with --ledger redis: kill-replica@S SIGKILLs the last replica's service S engine seconds in; "
+             "redis-restart@S+D stops Redis at S and starts it again D seconds later")
     add("--time-scale", type=float, default=None,
         help="engine speed-up K; gateway clocks are scaled by 1/K (default: the scenario's, 20; three-65k 25)")
     add("--seed", type=int, default=None, help="override the scenario's fixed seed")
@@ -833,7 +941,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       count=args.count, deadline=args.deadline)
     if args.engine == "vllm-0.11" and (args.mode == "vllm-builtin"):
         parser.error("--mode vllm-builtin needs --engine vllm-0.33 (vLLM 0.11 has no --max-num-queued-reqs)")
-    base = dict(scenario=args.scenario, engine=args.engine, shared=args.shared, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
+    if args.ledger == "redis" and args.shared:
+        parser.error("--ledger redis is for the sidecar shape; --shared already has one ledger")
+    if args.fault is not None:
+        try:
+            parse_fault(args.fault)
+        except ValueError as exc:
+            parser.error(f"--fault {args.fault!r}: {exc}")
+        if args.ledger != "redis" or args.mode not in GATED_MODES or args.replicas < 2:
+            parser.error("--fault needs --ledger redis, a gated --mode and --replicas >= 2")
+    base = dict(scenario=args.scenario, engine=args.engine, shared=args.shared, ledger=args.ledger, fault=args.fault, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet,
                 text=args.text, tokenizer=args.tokenizer, output_len=args.output_len)

@@ -107,3 +107,26 @@ def test_clients_past_their_deadline_give_up_and_count_against_goodput() -> None
     result, table = run_bench("--mode", "full", "--deadline", "0.000001")
     assert (result["gave_up"], result["completed"], result["goodput"]) == (6, 0, 0.0)
     assert "gave up: 6" in table
+
+
+def test_a_shared_ledger_run_survives_a_killed_replica_and_reports_the_capacity_it_held() -> None:
+    result, _ = run_bench("--mode", "full", "--replicas", "2", "--ledger", "redis", "--fault", "kill-replica@1")
+    assert (result["ledger"], result["replicas"]) == ("redis", 2)
+    assert result["ledger_degraded_transitions"] == 0
+    assert result["incomplete"] == {}
+    fault = result["fault"]
+    assert (fault["kind"], fault["replica"]) == ("kill-replica", "replica1")
+    assert fault["capacity_returned_s"] >= 0  # the run waited until the dead replica held nothing
+    # the survivor counted the tickets the dead one held (if it held any when it died)
+    assert result["ledger_lease_expiries"] >= (1 if fault["tickets_held"] else 0)
+
+
+def test_fault_and_ledger_options_are_refused_where_they_mean_nothing() -> None:
+    for args in (("--mode", "full", "--fault", "kill-replica@1", "--replicas", "2"),  # no shared ledger
+                 ("--mode", "full", "--ledger", "redis", "--fault", "reboot@1", "--replicas", "2"),
+                 ("--mode", "full", "--ledger", "redis", "--fault", "redis-restart@1", "--replicas", "2"),
+                 ("--mode", "full", "--ledger", "redis", "--shared", "--replicas", "2")):
+        proc = subprocess.run([sys.executable, "-m", "bench.admission", "--scenario", "smoke", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, args
+        assert "--fault" in proc.stderr or "--ledger" in proc.stderr
