@@ -25,6 +25,11 @@ the observer counts as a failed poll, reason `unparsable`, and the last good sta
   silently switch the KV budget off (`expect_capacity`);
 - values are in range: KV usage in [0, 1], running and waiting finite, non-negative integers.
 A capacity that CHANGES (the engine restarted with another cache size) is taken as it is.
+
+Optional counters, summed over ranks, for what the engine has done rather than what it holds:
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total` (throughput, and the estimate's
+calibration) and the `vllm:request_generation_tokens` histogram's `_sum` and `_count` (how long
+finished requests actually generated). None when the engine does not expose them.
 """
 
 from __future__ import annotations
@@ -40,12 +45,18 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_LEGACY = "vllm:gpu_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+GENERATED_SUM = "vllm:request_generation_tokens_sum"
+GENERATED_COUNT = "vllm:request_generation_tokens_count"
+_COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, GENERATED_SUM, GENERATED_COUNT)
 
 REQUIRED = (RUNNING, WAITING, KV_USAGE)
 
 _WANTED = re.compile(
     r"^(?:# (?:HELP|TYPE) )?vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc"
-    r"|gpu_cache_usage_perc|cache_config_info)[{ ].*$",
+    r"|gpu_cache_usage_perc|cache_config_info|prompt_tokens_total|generation_tokens_total"
+    r"|request_generation_tokens_(?:sum|count))[{ ].*$",
     re.MULTILINE,
 )
 
@@ -62,6 +73,10 @@ class EngineGauges:
     capacity_tokens: int | None
     block_size: int | None
     ranks: int
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    generated_sum: float | None = None  # vllm:request_generation_tokens_sum: tokens of finished requests
+    generated_count: float | None = None  # ...and how many finished
 
 
 def parse_engine_metrics(text: str, *, expect_capacity: bool = False) -> EngineGauges:
@@ -79,12 +94,16 @@ def parse_engine_metrics(text: str, *, expect_capacity: bool = False) -> EngineG
     capacity_known = False
     capacity_ranks: list[str] = []
     block_size: int | None = None
+    counters: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(kept + "\n" if kept else ""):
             for sample in family.samples:
                 if sample.name in values:
                     values[sample.name].append(sample.value)
                     ranks[sample.name].append(sample.labels.get("engine"))
+                elif sample.name in _COUNTERS:
+                    if math.isfinite(sample.value) and sample.value >= 0:
+                        counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
                 elif sample.name == CACHE_CONFIG:
                     blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
                     if blocks and size and blocks.isdigit() and size.isdigit():
@@ -125,4 +144,8 @@ def parse_engine_metrics(text: str, *, expect_capacity: bool = False) -> EngineG
         capacity_tokens=capacity if capacity_known else None,
         block_size=block_size,
         ranks=len(values[RUNNING]),
+        prompt_tokens_total=counters.get(PROMPT_TOKENS),
+        generation_tokens_total=counters.get(GENERATION_TOKENS),
+        generated_sum=counters.get(GENERATED_SUM),
+        generated_count=counters.get(GENERATED_COUNT),
     )

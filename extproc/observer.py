@@ -136,6 +136,10 @@ class EngineObserver:
             scrape_started=started,
             capacity_tokens=gauges.capacity_tokens,
             block_size=gauges.block_size,
+            prompt_tokens_total=gauges.prompt_tokens_total,
+            generation_tokens_total=gauges.generation_tokens_total,
+            generated_sum=gauges.generated_sum,
+            generated_count=gauges.generated_count,
         )
         self._log_capacity_source(engine, gauges)
         await self._admission.observe(engine.name, snapshot)

@@ -148,3 +148,31 @@ def test_a_vllm_0_33_exposition_from_the_simulator_parses() -> None:
     gauges = parse_engine_metrics(text, expect_capacity=True)
     assert (gauges.running, gauges.waiting, gauges.kv_usage, gauges.ranks) == (3, 2, 0.5, 1)
     assert (gauges.capacity_tokens, gauges.block_size) == (512 * 16, 16)
+
+
+def test_the_engines_token_counters_are_summed_over_ranks_and_optional() -> None:
+    from extproc.enginemetrics import parse_engine_metrics
+
+    base = (
+        'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 2\n'
+        'vllm:num_requests_waiting{engine="0"} 0\nvllm:num_requests_waiting{engine="1"} 0\n'
+        'vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:kv_cache_usage_perc{engine="1"} 0.2\n'
+    )
+    counters = (
+        '# TYPE vllm:prompt_tokens_total counter\n'
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 100\nvllm:prompt_tokens_total{engine="1",model_name="m"} 50\n'
+        '# TYPE vllm:generation_tokens_total counter\n'
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 7\n'
+        '# TYPE vllm:request_generation_tokens histogram\n'
+        'vllm:request_generation_tokens_bucket{engine="0",le="+Inf",model_name="m"} 3\n'
+        'vllm:request_generation_tokens_sum{engine="0",model_name="m"} 30\n'
+        'vllm:request_generation_tokens_count{engine="0",model_name="m"} 3\n'
+        'vllm:request_generation_tokens_sum{engine="1",model_name="m"} 12\n'
+        'vllm:request_generation_tokens_count{engine="1",model_name="m"} 1\n'
+    )
+    got = parse_engine_metrics(base + counters)
+    assert (got.prompt_tokens_total, got.generation_tokens_total) == (150, 7)
+    assert (got.generated_sum, got.generated_count) == (42, 4)
+    bare = parse_engine_metrics(base)
+    assert (bare.prompt_tokens_total, bare.generation_tokens_total, bare.generated_sum, bare.generated_count) == (
+        None, None, None, None)
