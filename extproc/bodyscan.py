@@ -74,6 +74,17 @@ class BodyFacts:
     prompt_bytes: int  # UTF-8 bytes of message contents (chat) or prompt text (completions)
     max_tokens: int | None  # top-level `max_tokens` as the engine reads it (None: not given)
     max_completion_tokens: int | None = None  # likewise
+    # What else the engine's prompt and KV depend on (issue 11; see extproc/estimate.py):
+    messages: int = 0  # chat messages (each adds the chat template's per-message framing)
+    tools_bytes: int = 0  # the `tools` array as the chat template renders it (its JSON, approximated)
+    prompt_token_ids: int = 0  # a completion prompt given as token ids: exact tokens, not text
+    n: int | None = None  # sequences to generate (`n`), as the engine reads it
+    best_of: int | None = None  # `best_of`, where the engine still honours it
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine allocates KV for: vLLM runs n > 1 as n requests sharing one prompt."""
+        return max(1, self.n or 1, self.best_of or 1)
 
     @property
     def generation_limit(self) -> int | None:
@@ -82,9 +93,11 @@ class BodyFacts:
         return max(given) if given else None
 
 
-_TEXT_KEYS = ("content", "text")
+# Message fields a chat template renders: text, text parts, tool calls' names and arguments.
+_TEXT_KEYS = frozenset(("content", "text", "arguments", "name", "reasoning_content"))
 _TOKEN_KEYS = ("max_tokens", "max_completion_tokens")
-_KEPT_KEYS = ("model", "stream", *_TOKEN_KEYS)
+_SEQ_KEYS = ("n", "best_of")
+_KEPT_KEYS = ("model", "stream", *_TOKEN_KEYS, *_SEQ_KEYS)
 _TWO_63 = 2.0**63
 _TRAILER = b' "'
 _INVALID = object()  # a kept key whose (last) value the engine's validation rejects
@@ -102,6 +115,7 @@ def scan_body(body: bytes) -> BodyFacts:
     model_seen = 0
     kept: dict[str, object] = {}
     prompt_bytes = 0
+    messages = tools_bytes = token_ids = 0
     depth = 0
     key: str | None = None  # the top-level key whose value is being read
     inner_key: str | None = None  # the latest key seen below the top level
@@ -117,6 +131,10 @@ def scan_body(body: bytes) -> BodyFacts:
         depth = 1
         for event, value in events:
             if event in ("start_map", "start_array"):
+                if key == "tools":
+                    tools_bytes += 2  # the brackets; a tool's own JSON is summed below
+                elif depth == 2 and key == "messages" and event == "start_map":
+                    messages += 1
                 if depth == 1 and key in _KEPT_KEYS:
                     if key == "model":
                         model = None
@@ -142,16 +160,25 @@ def scan_body(body: bytes) -> BodyFacts:
                     model = value
                 elif key == "stream":
                     kept[key] = _as_bool(value)
-                elif key in _TOKEN_KEYS:
+                elif key in _TOKEN_KEYS or key in _SEQ_KEYS:
                     kept[key] = _as_int(value)
                 elif key == "prompt" and event == "string":
                     prompt_bytes += _utf8_len(value)
                 key = None
+            elif key == "tools":
+                # The template renders each tool as its JSON (`json.dumps`: `"key": value, `).
+                if event in ("map_key", "string"):
+                    tools_bytes += _utf8_len(value) + 4
+                else:
+                    tools_bytes += len(str(value)) + 2
             elif event == "map_key":
                 inner_key = value
             elif event == "string" and (key == "prompt" or (key == "messages" and inner_key in _TEXT_KEYS)):
-                # Count message text (`content`, or `text` parts), not roles or names.
+                # Count what the template renders of a message: its text (`content`, `text`
+                # parts), tool calls' names and arguments; roles are the per-message framing.
                 prompt_bytes += _utf8_len(value)
+            elif event == "number" and key == "prompt" and type(value) is int:
+                token_ids += 1  # a prompt of token ids (or a batch of them): one token each
     except BodyError:
         raise
     except (ijson.JSONError, ijson.IncompleteJSONError, UnicodeDecodeError, ValueError) as exc:
@@ -177,6 +204,11 @@ def scan_body(body: bytes) -> BodyFacts:
         prompt_bytes=prompt_bytes,
         max_tokens=kept.get("max_tokens"),  # type: ignore[arg-type]
         max_completion_tokens=kept.get("max_completion_tokens"),  # type: ignore[arg-type]
+        messages=messages,
+        tools_bytes=tools_bytes,
+        prompt_token_ids=token_ids,
+        n=kept.get("n"),  # type: ignore[arg-type]
+        best_of=kept.get("best_of"),  # type: ignore[arg-type]
     )
 
 

@@ -13,6 +13,7 @@ Engines come from one of two places:
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,25 @@ class EngineLimits:
     max_queue_depth: int
     max_park_seconds: float
     kv_capacity_tokens: int | None = None  # used when the engine exposes no vllm:cache_config_info
+
+
+@dataclass(frozen=True)
+class EstimateSettings:
+    """How prompt tokens are estimated (extproc/estimate.py, extproc/tokencount.py)."""
+
+    mode: str = "counted"  # counted: the sources below; bytes: the estimate before issue 11
+    tokenizer: str | None = None  # a built-in vocabulary name or a tokenizer.json path
+    tokenize_above_bytes: int = 8192  # ask the engine's POST /tokenize from this prompt size; 0 = never
+    tokenize_timeout_seconds: float = 0.5
+    learn: bool = True  # learn bytes-per-token from the engine's vllm:prompt_tokens_total
+    bytes_per_token_min: float = 1.0  # bounds of the learned bytes-per-token
+    bytes_per_token_max: float = 4.0
+    template_fixed: int = 32
+    template_per_message: int = 5
+    template_tools: int = 100
+
+
+BUILTIN_TOKENIZERS = ("qwen3", "qwen2.5", "llama3")  # enginesim/tokenizer.py's vocabularies
 
 
 @dataclass(frozen=True)
@@ -94,6 +114,7 @@ class Settings:
     ledger_timeout_seconds: float = 0.05
     ledger_key_prefix: str = "llm-admission"
     replica_id: str | None = None  # this replica's name in the shared ledger (None: host-pid-random)
+    estimate: EstimateSettings = field(default_factory=lambda: EstimateSettings())
     model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +155,17 @@ class Settings:
             "bytes_per_token": self.bytes_per_token,
             "estimate_safety_factor": self.estimate_safety_factor,
             "default_max_tokens": self.default_max_tokens,
+            "estimate": {
+                "mode": self.estimate.mode,
+                "tokenizer": self.estimate.tokenizer,
+                "tokenize_above_bytes": self.estimate.tokenize_above_bytes,
+                "tokenize_timeout_ms": round(self.estimate.tokenize_timeout_seconds * 1000, 3),
+                "learn_bytes_per_token": self.estimate.learn,
+                "bytes_per_token_bounds": [self.estimate.bytes_per_token_min, self.estimate.bytes_per_token_max],
+                "template_tokens": {"fixed": self.estimate.template_fixed,
+                                    "per_message": self.estimate.template_per_message,
+                                    "tools": self.estimate.template_tools},
+            },
             "gated_paths": list(self.gated_paths),
             "models_refresh_s": self.models_refresh_seconds,
             "gating": self.gating,
@@ -394,7 +426,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         backfill=_bool("ADMISSION_BACKFILL", opt("ADMISSION_BACKFILL", "true")),
         wait_estimates=_bool("ADMISSION_WAIT_ESTIMATES", opt("ADMISSION_WAIT_ESTIMATES", "true")),
         engine_queue_slots=_int("ADMISSION_ENGINE_QUEUE_SLOTS", opt("ADMISSION_ENGINE_QUEUE_SLOTS", "1"), 0),
-        bytes_per_token=_float("ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "4"), 0.0, 64.0, low_open=True),
+        bytes_per_token=_float("ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "2.5"), 0.0, 64.0, low_open=True),
         estimate_safety_factor=_float(
             "ADMISSION_ESTIMATE_SAFETY_FACTOR", opt("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"), 0.5, 4.0),
         default_max_tokens=_int("ADMISSION_DEFAULT_MAX_TOKENS", opt("ADMISSION_DEFAULT_MAX_TOKENS", "1024"), 0),
@@ -414,4 +446,41 @@ def load_settings(env: Mapping[str, str]) -> Settings:
             "ADMISSION_LEDGER_TIMEOUT_MS", opt("ADMISSION_LEDGER_TIMEOUT_MS", "50"), 1.0, 10_000.0) / 1000,
         ledger_key_prefix=key_prefix,
         replica_id=replica,
+        estimate=_estimate_settings(env),
+    )
+
+
+def _estimate_settings(env: Mapping[str, str]) -> EstimateSettings:
+    def opt(name: str, default: str) -> str:
+        return env.get(name) or default
+
+    mode = opt("ADMISSION_ESTIMATE", "counted").strip().lower()
+    if mode not in ("counted", "bytes"):
+        raise ConfigError(f"ADMISSION_ESTIMATE={env.get('ADMISSION_ESTIMATE')!r}: must be counted (the default: "
+                          "tokenizer, engine /tokenize, learned bytes-per-token) or bytes (the estimate before issue 11)")
+    tokenizer = (env.get("ADMISSION_TOKENIZER") or "").strip() or None
+    if tokenizer is not None and tokenizer not in BUILTIN_TOKENIZERS:
+        if not tokenizer.endswith(".json"):
+            raise ConfigError(f"ADMISSION_TOKENIZER={tokenizer!r}: must be a built-in vocabulary "
+                              f"({', '.join(BUILTIN_TOKENIZERS)}) or the path of the served model's tokenizer.json")
+        if not os.path.isfile(tokenizer) or not os.access(tokenizer, os.R_OK):
+            raise ConfigError(f"ADMISSION_TOKENIZER={tokenizer!r}: no readable file there (mount the served "
+                              "model's tokenizer.json, or unset it to ask the engine's /tokenize)")
+    low = _float("ADMISSION_BYTES_PER_TOKEN_MIN", opt("ADMISSION_BYTES_PER_TOKEN_MIN", "1.0"), 0.0, 64.0, low_open=True)
+    high = _float("ADMISSION_BYTES_PER_TOKEN_MAX", opt("ADMISSION_BYTES_PER_TOKEN_MAX", "4.0"), 0.0, 64.0, low_open=True)
+    if low > high:
+        raise ConfigError(f"ADMISSION_BYTES_PER_TOKEN_MIN={low:g} is above ADMISSION_BYTES_PER_TOKEN_MAX={high:g}")
+    return EstimateSettings(
+        mode=mode,
+        tokenizer=tokenizer,
+        tokenize_above_bytes=_int("ADMISSION_TOKENIZE_ABOVE_BYTES", opt("ADMISSION_TOKENIZE_ABOVE_BYTES", "8192"), 0),
+        tokenize_timeout_seconds=_float(
+            "ADMISSION_TOKENIZE_TIMEOUT_MS", opt("ADMISSION_TOKENIZE_TIMEOUT_MS", "500"), 1.0, 60_000.0) / 1000,
+        learn=_bool("ADMISSION_LEARN_BYTES_PER_TOKEN", opt("ADMISSION_LEARN_BYTES_PER_TOKEN", "true")),
+        bytes_per_token_min=low,
+        bytes_per_token_max=high,
+        template_fixed=_int("ADMISSION_TEMPLATE_TOKENS_FIXED", opt("ADMISSION_TEMPLATE_TOKENS_FIXED", "32"), 0),
+        template_per_message=_int(
+            "ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE", opt("ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE", "5"), 0),
+        template_tools=_int("ADMISSION_TEMPLATE_TOKENS_TOOLS", opt("ADMISSION_TEMPLATE_TOKENS_TOOLS", "100"), 0),
     )

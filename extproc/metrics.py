@@ -27,6 +27,8 @@ PARK_ENDINGS: tuple[Outcome, ...] = (Outcome.ADMITTED_AFTER_PARK, Outcome.ADMITT
 POLL_FAILURE_REASONS = ("unreachable", "timeout", "http_status", "unparsable")
 #: Why a request was not subject to admission (`admission_passthrough_total{reason}`, extproc/servicer.py).
 PASSTHROUGH_REASONS = ("path_not_gated", "no_models_configured")
+#: Where a prompt-token estimate came from (`admission_estimate_source_total{source}`, extproc/tokencount.py).
+ESTIMATE_SOURCES = ("tokenizer", "engine", "fallback", "learned", "prior", "bytes")
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -58,8 +60,33 @@ class Metrics:
             ["engine", "model"], registry=r)
         self.estimated_prompt_tokens = Counter(
             "admission_estimated_prompt_tokens",
-            "Estimated prompt tokens of admitted requests; compare with the engine's vllm:prompt_tokens_total.",
+            "Estimated prompt tokens of admitted requests (n sequences count n prompts, as the engine does); "
+            "compare with the engine's vllm:prompt_tokens_total (admission_engine_prompt_tokens_total).",
             ["engine", "model"], registry=r)
+        self.estimate_source = Counter(
+            "admission_estimate_source",
+            "Gated requests by where their prompt-token estimate came from: tokenizer (ADMISSION_TOKENIZER), "
+            "engine (its POST /tokenize), fallback (the engine did not answer in time: bytes rule), learned or "
+            "prior (bytes rule at the learned or the configured bytes-per-token), bytes (ADMISSION_ESTIMATE=bytes).",
+            ["engine", "model", "source"], registry=r)
+        self.engine_prompt_tokens = Counter(
+            "admission_engine_prompt_tokens",
+            "The engine's vllm:prompt_tokens_total as this replica saw it grow between its polls: compare with "
+            "admission_estimated_prompt_tokens_total (every replica sees the same engine: take max by engine).",
+            ["engine"], registry=r)
+        self.estimate_ratio = Gauge(
+            "admission_estimate_ratio",
+            "Estimated prompt tokens of what this replica admitted over what the engine counted "
+            "(vllm:prompt_tokens_total), both decayed by half every 1M tokens; NaN until 50k counted. Below 1: "
+            "the budget under-reserves.",
+            ["engine", "model"], registry=r)
+        self.bytes_per_token = Gauge(
+            "admission_bytes_per_token",
+            "Bytes per prompt token the bytes rule uses now: learned from the engine's counter, or the prior.",
+            ["engine"], registry=r)
+        self.tokenize_duration = Histogram(
+            "admission_tokenize_duration_seconds", "Time to have the engine count a prompt (POST /tokenize).",
+            ["engine"], buckets=_DECISION_BUCKETS + (0.5, 1.0, 2.5), registry=r)
         self.kv_reserved = Gauge(
             "admission_kv_reserved_tokens", "KV tokens reserved by requests this replica admitted, stream still open.",
             ["engine"], registry=r)
@@ -124,3 +151,7 @@ class Metrics:
                     self.rejected.labels(name, model, reason.value)
                 self.backfilled.labels(name, model)
                 self.estimated_prompt_tokens.labels(name, model)
+                for source in ESTIMATE_SOURCES:
+                    self.estimate_source.labels(name, model, source)
+                self.estimate_ratio.labels(name, model).set(float("nan"))
+            self.engine_prompt_tokens.labels(name)

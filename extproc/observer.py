@@ -49,6 +49,7 @@ class EngineObserver:
         self._degraded: dict[str, bool] = {}
         self._capacity_source: dict[str, str] = {}
         self._capacity_seen: dict[str, bool] = {}  # the engine has shown vllm:cache_config_info
+        self._prompt_tokens: dict[str, float] = {}  # the engine's vllm:prompt_tokens_total at the last poll
         self._engines = [e for e in settings.engines if e.models]
 
     async def start(self) -> None:
@@ -142,7 +143,17 @@ class EngineObserver:
             generated_count=gauges.generated_count,
         )
         self._log_capacity_source(engine, gauges)
+        self._count_prompt_tokens(engine, gauges.prompt_tokens_total)
         await self._admission.observe(engine.name, snapshot)
+
+    def _count_prompt_tokens(self, engine: EngineConfig, total: float | None) -> None:
+        """Mirror the engine's prompt-token counter's growth (the estimate ratio's denominator)."""
+        if total is None:
+            return
+        last = self._prompt_tokens.get(engine.name)
+        self._prompt_tokens[engine.name] = total
+        if last is not None and total > last:  # a first reading or a restarted engine adds nothing
+            self._metrics.engine_prompt_tokens.labels(engine.name).inc(total - last)
 
     def _log_capacity_source(self, engine: EngineConfig, gauges: EngineGauges) -> None:
         """Say once (and on every change) where the KV capacity for the budget comes from."""

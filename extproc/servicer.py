@@ -30,14 +30,14 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
 from .admission import PARK_TIMEOUT_MARGIN_SECONDS, Admission
-from .bodyscan import BodyError
+from .bodyscan import BodyError, BodyFacts
 from .config import EngineConfig, Settings
 from .endpoints import PathRules, Route, body_facts, endpoint_for
-from .estimate import estimate_cost
 from .gate import Decision, Ticket
 from .metrics import Metrics
 from .models import ModelRegistry
 from .outcomes import REJECTIONS, Outcome, error_body
+from .tokencount import Estimator
 
 log = logging.getLogger("extproc.servicer")
 
@@ -60,6 +60,7 @@ class _Stream:
     path: str = ""
     engine: EngineConfig | None = None
     ticket: Ticket | None = None
+    admitted: BodyFacts | None = None  # the body facts of a request sent to the engine (calibration)
 
     def __repr__(self) -> str:
         return f"<Stream {self.request_id} {self.path} engine={self.engine.name if self.engine else None} {self.ticket}>"
@@ -75,6 +76,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._models = models or ModelRegistry(settings)
         self._multi_engine = len(settings.engines) > 1
         self._admitted_responses = {e.name: self._admitted_response(e) for e in settings.engines}
+        self._estimator = Estimator(settings, metrics)
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream()
@@ -89,6 +91,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             if stream.ticket is not None and stream.engine is not None:
                 await self._admission.finish(stream.engine.name, stream.ticket)
+            if stream.admitted is not None and stream.engine is not None:
+                self._estimator.finished(stream.engine.name, stream.admitted)
 
     async def _process(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
         message = await context.read()
@@ -158,8 +162,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return
 
         stream.engine = engine
-        s = self._settings
-        cost = estimate_cost(facts, s.bytes_per_token, s.estimate_safety_factor, s.default_max_tokens)
+        snap = self._admission.gate(engine.name).snapshot
+        cost = await self._estimator.estimate(engine, endpoint, body.body, facts,
+                                              snap.prompt_tokens_total if snap else None,
+                                              snap.scrape_started if snap else None)
         decision = await self._admission.arrive(engine.name, facts.model, cost.tokens)
         stream.ticket = decision.ticket
         outcome = decision.outcome
@@ -179,8 +185,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return
                 started = time.perf_counter()
             if outcome.admits:
-                if outcome is not Outcome.ADMITTED_FAIL_OPEN:
-                    self._metrics.estimated_prompt_tokens.labels(engine.name, facts.model).inc(cost.prompt_tokens)
+                # Failed-open requests too: the engine counts their prompts all the same.
+                self._estimator.admitted(engine.name, facts.model, cost)
+                stream.admitted = facts
                 await context.write(self._admitted_responses[engine.name])
                 self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
                 log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})

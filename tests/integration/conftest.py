@@ -19,6 +19,11 @@ FAST = {
     "ENGINE_STALE_AFTER_POLLS": "3",
     "ADMISSION_OBSERVE_MODELS": "sim-model",
     "EXTPROC_LOG_LEVEL": "DEBUG",
+    # These tests size requests in the old estimate's tokens (4 bytes each, nothing else counted);
+    # the counted estimate (engine /tokenize, template, learned bytes-per-token) has its own:
+    # tests/integration/test_estimate.py.
+    "ADMISSION_ESTIMATE": "bytes",
+    "ADMISSION_BYTES_PER_TOKEN": "4",
 }
 
 pytestmark = pytest.mark.integration
