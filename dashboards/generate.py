@@ -198,6 +198,28 @@ def build() -> dict[str, object]:
             query("B", f"sum by (model_name) (rate({vllm('prompt_tokens_total')}[{RATE}]))",
                   "vLLM: {{model_name}}"),
         ))
+        .with_panel(panel(
+            "Prompt estimate / what the engine counted",
+            "The gateway's estimated prompt tokens (all replicas) over the engine's own count "
+            "(admission_engine_prompt_tokens_total, the growth of vllm:prompt_tokens_total the gateway "
+            "saw). Below 1 the KV budget under-reserves; below 0.9 for 10 minutes the alert "
+            "LLMAdmissionEstimateUnderCounts fires. Large prompts waiting for their prefill make it read "
+            "high for a while.",
+            "short",
+            query("A", f"sum by (engine) (rate(admission_estimated_prompt_tokens_total{{{GW}}}[{RATE}])) / "
+                       f"max by (engine) (rate(admission_engine_prompt_tokens_total{{{GW}}}[{RATE}]))",
+                  "estimate / engine: {{engine}}"),
+            query("B", f"max by (engine) (admission_bytes_per_token{{{GW}}})", "bytes per token (bytes rule): {{engine}}"),
+        ))
+        .with_panel(panel(
+            "Where prompt counts came from",
+            "Decisions per second by the source of their prompt-token count: tokenizer (ADMISSION_TOKENIZER), "
+            "engine (its POST /tokenize), fallback (the engine did not answer in time), learned / prior "
+            "(the bytes rule), bytes (ADMISSION_ESTIMATE=bytes).",
+            "reqps",
+            query("A", f"sum by (engine, source) (rate(admission_estimate_source_total{{{GW}}}[{RATE}]))",
+                  "{{engine}}: {{source}}"),
+        ))
         .with_row(db.Row("Engine: the gateway's view next to vLLM's own"))
         .with_panel(panel(
             "Running requests: gateway view vs vLLM",

@@ -24,6 +24,7 @@ REQUIRED = {
     "LLMAdmissionServiceDown": 'up{job="llm-admission"}',
     "AdmissionLedgerDegraded": "admission_ledger_degraded",
     "AdmissionLedgerLeasesExpiring": "admission_ledger_lease_expiries_total",
+    "LLMAdmissionEstimateUnderCounts": "admission_engine_prompt_tokens_total",
 }
 
 

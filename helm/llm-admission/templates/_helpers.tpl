@@ -349,6 +349,30 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: {{ $a.estimateSafetyFactor | toString | quote }}
   - name: ADMISSION_DEFAULT_MAX_TOKENS
     value: {{ int64 $a.defaultMaxTokens | quote }}
+  {{- with $a.estimate }}
+  - name: ADMISSION_ESTIMATE
+    value: {{ .mode | quote }}
+  {{- if .tokenizer }}
+  - name: ADMISSION_TOKENIZER
+    value: {{ .tokenizer | quote }}
+  {{- end }}
+  - name: ADMISSION_TOKENIZE_ABOVE_BYTES
+    value: {{ int64 .tokenizeAboveBytes | quote }}
+  - name: ADMISSION_TOKENIZE_TIMEOUT_MS
+    value: {{ .tokenizeTimeoutMs | toString | quote }}
+  - name: ADMISSION_LEARN_BYTES_PER_TOKEN
+    value: {{ .learnBytesPerToken | toString | quote }}
+  - name: ADMISSION_BYTES_PER_TOKEN_MIN
+    value: {{ .bytesPerTokenMin | toString | quote }}
+  - name: ADMISSION_BYTES_PER_TOKEN_MAX
+    value: {{ .bytesPerTokenMax | toString | quote }}
+  - name: ADMISSION_TEMPLATE_TOKENS_FIXED
+    value: {{ int64 .templateTokens.fixed | quote }}
+  - name: ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE
+    value: {{ int64 .templateTokens.perMessage | quote }}
+  - name: ADMISSION_TEMPLATE_TOKENS_TOOLS
+    value: {{ int64 .templateTokens.tools | quote }}
+  {{- end }}
   {{- if $a.kvCapacityTokens }}
   - name: ADMISSION_KV_CAPACITY_TOKENS
     value: {{ int64 $a.kvCapacityTokens | quote }}
