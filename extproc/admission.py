@@ -78,6 +78,8 @@ def gate_limits(settings: Settings, engine: EngineConfig) -> GateLimits:
         retry_after_seconds=settings.retry_after_seconds,
         engine_queue_slots=settings.engine_queue_slots,
         wait_estimates=settings.wait_estimates,
+        generation_reservation=settings.generation_reservation,
+        generation_factor=settings.generation_factor,
     )
 
 
@@ -131,10 +133,11 @@ class Admission:
 
     # --- request side ---------------------------------------------------------------------
 
-    async def arrive(self, engine: str, model: str, tokens: int = 0) -> Decision:
-        """Register a gated request; PARKED decisions are followed up through `wait`."""
+    async def arrive(self, engine: str, model: str, tokens: int = 0, generation: int = 0) -> Decision:
+        """Register a gated request (`tokens` its KV estimate, `generation` the part of it that is its
+        generation limit); PARKED decisions are followed up through `wait`."""
         now = self.now()
-        ticket = Ticket(model=model, arrived=now, tokens=tokens, owner=self._ledger.replica,
+        ticket = Ticket(model=model, arrived=now, tokens=tokens, generation=generation, owner=self._ledger.replica,
                         lease_until=self._ledger.lease_until(now))
         entry = self._engines[engine]
         if self._closing:

@@ -53,6 +53,8 @@ configuration (environment variables, read once at startup; a bad value exits wi
   ADMISSION_WAIT_ESTIMATES       Retry-After from the completion rate; reject at once if the wait exceeds the park cap  [true]
   ADMISSION_ENGINE_QUEUE_SLOTS   with the budget: requests that may wait inside the engine beyond max in-flight  [1]
   ADMISSION_GATED_PATHS          POST paths subject to admission  [every vLLM generation/pooling endpoint]
+  ADMISSION_GENERATION_RESERVATION  KV reserved for generation: max_tokens (the limit) or learned (factor x the engine's mean)  [max_tokens]
+  ADMISSION_GENERATION_FACTOR    with learned: reserve this x the engine's recent mean generation, at most the limit  [1.5]
   ADMISSION_LEDGER               where the gates' state lives: local (this process) or redis (shared by replicas)  [local]
   ADMISSION_REDIS_URL            redis://[:password@]host:port/db, rediss:// (TLS) or unix://; needed by redis  [unset]
   ADMISSION_LEDGER_LEASE_SECONDS a dead replica's reservations and parked requests expire after this  [5]

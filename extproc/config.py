@@ -114,6 +114,8 @@ class Settings:
     ledger_timeout_seconds: float = 0.05
     ledger_key_prefix: str = "llm-admission"
     replica_id: str | None = None  # this replica's name in the shared ledger (None: host-pid-random)
+    generation_reservation: str = "max_tokens"  # KV reserved for generation: the limit, or learned
+    generation_factor: float = 1.5  # with learned: this x the engine's mean generation
     estimate: EstimateSettings = field(default_factory=lambda: EstimateSettings())
     model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
 
@@ -176,6 +178,8 @@ class Settings:
             "ledger_timeout_ms": round(self.ledger_timeout_seconds * 1000, 3),
             "ledger_key_prefix": self.ledger_key_prefix,
             "replica_id": self.replica_id,
+            "generation_reservation": self.generation_reservation,
+            "generation_factor": self.generation_factor,
             "engines": [
                 {
                     "name": e.name,
@@ -401,6 +405,10 @@ def load_settings(env: Mapping[str, str]) -> Settings:
     redis_url = _redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL") else None
     if ledger == "redis" and redis_url is None:
         raise ConfigError("ADMISSION_LEDGER=redis needs ADMISSION_REDIS_URL (e.g. redis://redis:6379/0)")
+    generation_reservation = opt("ADMISSION_GENERATION_RESERVATION", "max_tokens").strip().lower()
+    if generation_reservation not in ("max_tokens", "learned"):
+        raise ConfigError(f"ADMISSION_GENERATION_RESERVATION={env.get('ADMISSION_GENERATION_RESERVATION')!r}: "
+                          "must be max_tokens or learned")
     replica = env.get("ADMISSION_REPLICA_ID") or None
     if replica is not None and not re.match(r"^[A-Za-z0-9_.:-]{1,128}$", replica):
         raise ConfigError(f"ADMISSION_REPLICA_ID={replica!r}: must be 1-128 letters, digits, '_', '.', ':' or '-' "
@@ -447,6 +455,8 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         ledger_key_prefix=key_prefix,
         replica_id=replica,
         estimate=_estimate_settings(env),
+        generation_reservation=generation_reservation,
+        generation_factor=_float("ADMISSION_GENERATION_FACTOR", opt("ADMISSION_GENERATION_FACTOR", "1.5"), 0.1, 10.0),
     )
 
 

@@ -82,6 +82,16 @@ until when that replica has vouched for it (`lease_until`): `purge_expired` drop
 a replica that stopped renewing (it died), without counting them as finished, so a request of a
 dead replica that is still running at the engine is charged to `others` by the next scrape.
 
+Generation reservation (`generation_reservation`, with the budget). vLLM checks (from 0.19) that
+a prompt fits before starting it, not that its generation will: a request that decodes past
+the free KV forces a preemption. So by default a request reserves its whole generation limit
+(`max_tokens`). With `learned`, it reserves min(its limit, `generation_factor` x the mean
+generation of the requests the engine finished recently), the mean read from the engine's own
+`vllm:request_generation_tokens` histogram (sum and count between two scrapes, smoothed); until
+the engine has finished any request it reserves the limit. This admits more requests at once
+when generations end well before their limits, at the risk of a preemption when several run
+long together: bench/README.md, "Generation reservation", measures both.
+
 Retry-After comes from the measured completion rate of this gate's admitted requests: a request
 at queue position p expects to wait p / rate. When that already exceeds the park cap, it is
 rejected at once with that Retry-After instead of being held for the whole cap.
@@ -103,6 +113,7 @@ DEFAULT_BLOCK_SIZE = 16
 RETRY_AFTER_MIN_SECONDS = 1
 RETRY_AFTER_MAX_SECONDS = 60
 RATE_WINDOW = 32  # completions kept to measure the completion rate
+GENERATION_WINDOW = 32  # finished requests the generation mean is smoothed over
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,8 @@ class GateLimits:
     retry_after_seconds: int = 5  # fallback when no completion rate is known yet
     engine_queue_slots: int = 0  # with the budget: requests allowed to wait inside the engine
     wait_estimates: bool = True  # Retry-After from the completion rate; early rejection
+    generation_reservation: str = "max_tokens"  # or "learned": factor x the engine's mean generation
+    generation_factor: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,7 @@ class Ticket:
     model: str
     arrived: float
     tokens: int = 0  # estimated KV need (prompt + generation allowance), before block rounding
+    generation: int = 0  # the generation allowance within `tokens` (its max_tokens or the default)
     id: int = field(default_factory=lambda: next(_ids))
     state: TicketState = TicketState.NEW
     park_deadline: float | None = None
@@ -175,13 +189,15 @@ class Ticket:
     lease_until: float | None = None  # the owner vouches for the ticket until then (None: forever)
 
     def to_state(self) -> dict[str, Any]:
-        return {"m": self.model, "a": self.arrived, "t": self.tokens, "i": self.id, "s": self.state.value,
+        return {"m": self.model, "a": self.arrived, "t": self.tokens, "g": self.generation, "i": self.id,
+                "s": self.state.value,
                 "d": self.park_deadline, "at": self.admitted_at, "c": self.counted, "r": self.reserved,
                 "b": self.backfilled, "o": self.owner, "l": self.lease_until}
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> Ticket:
-        return cls(model=d["m"], arrived=d["a"], tokens=d["t"], id=d["i"], state=TicketState(d["s"]),
+        return cls(model=d["m"], arrived=d["a"], tokens=d["t"], generation=d.get("g", 0), id=d["i"],
+                   state=TicketState(d["s"]),
                    park_deadline=d["d"], admitted_at=d["at"], counted=d["c"], reserved=d["r"],
                    backfilled=d["b"], owner=d["o"], lease_until=d["l"])
 
@@ -217,6 +233,7 @@ class EngineGate:
         self._finished: list[_Finished] = []  # local tickets that finished after the last scrape began
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
         self._others_before = 0  # `others` as the previous scrape left it, when the next one came
+        self._generation_mean: float | None = None  # smoothed mean generation of finished requests
 
     # --- views ----------------------------------------------------------------------------
 
@@ -272,10 +289,20 @@ class EngineGate:
     def reserved_tokens(self) -> int:
         return sum(t.reserved for t in self._inflight)
 
+    @property
+    def generation_mean(self) -> float | None:
+        """The engine's recent mean generation per finished request, or None before any."""
+        return self._generation_mean
+
     def cost(self, ticket: Ticket) -> int:
-        """The ticket's KV reservation: its estimate rounded up to whole blocks."""
+        """The ticket's KV reservation: its estimate (with the learned generation, if so
+        configured and known) rounded up to whole blocks."""
+        tokens = ticket.tokens
+        if self.limits.generation_reservation == "learned" and self._generation_mean is not None:
+            expected = math.ceil(self.limits.generation_factor * self._generation_mean)
+            tokens -= max(0, ticket.generation - expected)
         block = self.block_size
-        return math.ceil(ticket.tokens / block) * block
+        return math.ceil(tokens / block) * block
 
     def _ours_in_scrape(self, snap: EngineSnapshot) -> tuple[int, int, int]:
         """Our requests the scrape surely includes, those it may include, and the KV of the first.
@@ -420,10 +447,25 @@ class EngineGate:
         others = self._others()
         if others is not None:
             self._others_before = others
+        self._learn_generation(self._snapshot, snapshot)
         self._snapshot = snapshot
         self._failed_polls = 0
         self._finished = [f for f in self._finished if f.finished_at > snapshot.scrape_started]
         return self._release(now)
+
+    def _learn_generation(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
+        """Fold the requests the engine finished between two scrapes into the generation mean."""
+        if before is None or None in (before.generated_sum, before.generated_count,
+                                      after.generated_sum, after.generated_count):
+            return
+        count = after.generated_count - before.generated_count  # type: ignore[operator]
+        total = after.generated_sum - before.generated_sum  # type: ignore[operator]
+        if count <= 0 or total < 0:
+            return  # nothing finished, or the engine restarted (its counters went back)
+        mean = total / count
+        weight = min(1.0, count / GENERATION_WINDOW)
+        previous = self._generation_mean
+        self._generation_mean = mean if previous is None else previous + weight * (mean - previous)
 
     def poll_failed(self, now: float) -> list[Decision]:
         """A poll failed (unreachable, timed out or unparsable). Stale engines release the park."""
@@ -535,6 +577,7 @@ class EngineGate:
             "fin": [[f.admitted_at, f.finished_at, f.reserved, f.owner] for f in self._finished],
             "done": list(self._completions),
             "ob": self._others_before,
+            "gm": self._generation_mean,
         }
 
     @classmethod
@@ -550,6 +593,7 @@ class EngineGate:
         gate._finished = [_Finished(*f) for f in state["fin"]]
         gate._completions = deque(state["done"], maxlen=RATE_WINDOW)
         gate._others_before = state["ob"]
+        gate._generation_mean = state.get("gm")
         return gate
 
     # --- internals ------------------------------------------------------------------------

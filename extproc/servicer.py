@@ -166,7 +166,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         cost = await self._estimator.estimate(engine, endpoint, body.body, facts,
                                               snap.prompt_tokens_total if snap else None,
                                               snap.scrape_started if snap else None)
-        decision = await self._admission.arrive(engine.name, facts.model, cost.tokens)
+        decision = await self._admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens)
         stream.ticket = decision.ticket
         outcome = decision.outcome
         pending_read: asyncio.Future[object] | None = None

@@ -243,3 +243,41 @@ def test_without_wait_estimates_retry_after_is_fixed_and_nothing_is_rejected_ear
     outcomes = [gate.arrive(Ticket(model="m", arrived=6.0, tokens=16), 6.0).outcome for _ in range(20)]
     assert outcomes == [Outcome.PARKED] * 20
     assert gate.retry_after(20) == 5
+
+
+# --- generation reservation ------------------------------------------------------------------
+
+
+def _counters(now: float, generated: float, finished: float, kv: float = 0.0) -> EngineSnapshot:
+    return EngineSnapshot(running=0, waiting=0, kv_usage=kv, scrape_started=now, capacity_tokens=100_000,
+                          block_size=16, generated_sum=generated, generated_count=finished)
+
+
+def test_by_default_a_request_reserves_its_whole_generation_limit() -> None:
+    from dataclasses import replace as _replace
+    gate = EngineGate(_replace(LIMITS, generation_reservation="max_tokens"))
+    gate.observe(_counters(0.0, 0, 0), 0.0)
+    gate.observe(_counters(1.0, 1_000, 10), 1.0)  # finished requests generated 100 tokens each
+    ticket = Ticket(model="m", arrived=1.0, tokens=1_000 + 4_000, generation=4_000)
+    assert gate.cost(ticket) == 5_008  # 5,000 rounded up to blocks of 16
+
+
+def test_learned_reservation_uses_the_engines_mean_generation_once_it_has_finished_requests() -> None:
+    from dataclasses import replace as _replace
+    gate = EngineGate(_replace(LIMITS, generation_reservation="learned", generation_factor=1.5))
+    ticket = Ticket(model="m", arrived=0.0, tokens=1_000 + 4_000, generation=4_000)
+    gate.observe(_counters(0.0, 0, 0), 0.0)
+    assert gate.generation_mean is None and gate.cost(ticket) == 5_008  # cold start: the limit
+    gate.observe(_counters(1.0, 0, 0), 1.0)
+    assert gate.generation_mean is None  # nothing finished yet
+    gate.observe(_counters(2.0, 32 * 1_000, 32), 2.0)  # a full window: the mean is taken as it is
+    assert gate.generation_mean == 1_000
+    assert gate.cost(ticket) == 2_512  # 1,000 + 1.5 x 1,000, rounded up to blocks of 16
+    small = Ticket(model="m", arrived=2.0, tokens=1_000 + 200, generation=200)
+    assert gate.cost(small) == 1_200  # a limit below the expectation is kept
+    gate.observe(_counters(3.0, 32 * 1_000 + 16 * 3_000, 48), 3.0)  # half a window at 3,000
+    assert gate.generation_mean == 2_000
+    gate.observe(_counters(4.0, 5, 1), 4.0)  # the engine restarted: its counters went back
+    assert gate.generation_mean == 2_000
+    rebuilt = EngineGate.from_state(gate.limits, gate.to_state())
+    assert rebuilt.generation_mean == 2_000 and rebuilt.cost(ticket) == gate.cost(ticket)
