@@ -493,11 +493,9 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             wall = loop.time() - t0
         finally:
             stop.set()
-            if fault_task is not None and not fault_task.done():
-                fault_task.cancel()
             await asyncio.gather(sampler_task, progress_task, return_exceptions=True)
             fault = None
-            if fault_task is not None:
+            if fault_task is not None:  # a fault due after the last request still happens, and is measured
                 done = (await asyncio.gather(fault_task, return_exceptions=True))[0]
                 fault = done if isinstance(done, dict) else {"error": repr(done)}
             for client in clients:
