@@ -17,6 +17,18 @@ CHART = ROOT / "helm" / "llm-admission"
 RELEASE = "demo"
 NAMESPACE = "inference"
 
+# The chart ships no engine (helm install without one fails, tests/helm/test_chart_engines.py):
+# every rendering that does not name its own gets this one, ONE vLLM process behind a
+# single-replica Service.
+ENGINES: list[dict[str, Any]] = [{"name": "vllm", "url": "http://vllm:8000", "models": ["qwen3"]}]
+
+
+def with_engines(values: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`values`, plus the test engine unless they name engines themselves."""
+    values = dict(values or {})
+    values.setdefault("engines", ENGINES)
+    return values
+
 # Value sets every structural test runs over: the defaults and the shapes operators will use.
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -132,8 +144,10 @@ class Chart:
     def __init__(self, chart: Any) -> None:
         self._chart = chart
 
-    def render(self, values: Mapping[str, Any] | None = None) -> Rendered:
-        out = self._chart.render(dict(values or {}), name=RELEASE, namespace=NAMESPACE)
+    def render(self, values: Mapping[str, Any] | None = None, *, as_given: bool = False, **options: Any) -> Rendered:
+        """Render with `values` (plus the test engine unless they name engines, or `as_given`)."""
+        values = dict(values or {}) if as_given else with_engines(values)
+        out = self._chart.render(values, name=RELEASE, namespace=NAMESPACE, **options)
         objects: list[dict[str, Any]] = []
         notes = ""
         for path, text in sorted(out.items()):
@@ -141,10 +155,10 @@ class Chart:
                 notes = text
                 continue
             objects += [doc for doc in yaml.safe_load_all(text) if doc]
-        return Rendered(objects, notes, self.merged(values))
+        return Rendered(objects, notes, self._chart.merge_values(values))
 
     def merged(self, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return self._chart.merge_values(dict(values or {}))
+        return self._chart.merge_values(with_engines(values))
 
 
 @pytest.fixture(scope="session")

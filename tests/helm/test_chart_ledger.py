@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import CHART, NAMESPACE, RELEASE, Chart, Rendered, helm
+from .conftest import CHART, NAMESPACE, RELEASE, Chart, Rendered, helm, with_engines
 from .test_chart import KUBERNETES_VERSION, validate_manifests
 
 LEDGER_ENV = ("ADMISSION_LEDGER", "ADMISSION_REDIS_URL", "ADMISSION_LEDGER_LEASE_SECONDS",
@@ -131,7 +131,7 @@ def test_the_shared_shapes_one_service_gets_the_same_ledger_settings(chart: Char
 @pytest.mark.parametrize("values", [WITH_URL, WITH_SECRET, SHARED_WITH_URL], ids=["url", "secret", "shared"])
 def test_redis_ledger_manifests_validate_and_lint(chart: Chart, values: dict[str, Any]) -> None:
     assert len(validate_manifests(chart.render(values).objects)) >= 5
-    report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}")
+    report = helm.lint(str(CHART), with_engines(values), strict=True, namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert not problems and not report["errors"], f"{problems} {report['errors']}"
 
@@ -142,7 +142,7 @@ LONG_FULLNAME = "a-rather-long-release-name-for-the-admission-gateway-of-team-"
 
 def key_prefix(chart: Chart, release: str, namespace: str, values: dict[str, Any]) -> str:
     values = {"ledger": {"backend": "redis", "redis": {"url": "redis://redis:6379/0"}}, **values}
-    out = chart._chart.render(values, name=release, namespace=namespace)
+    out = chart._chart.render(with_engines(values), name=release, namespace=namespace)
     deployment = next(d for path, text in out.items() if path.endswith("deployment.yaml")
                       for d in yaml.safe_load_all(text) if d)
     container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "admission")
@@ -151,7 +151,7 @@ def key_prefix(chart: Chart, release: str, namespace: str, values: dict[str, Any
 
 def test_the_default_key_prefix_is_one_per_release_and_one_the_service_accepts(chart: Chart) -> None:
     """Engines are keyed by name under the prefix: two releases on one Redis (both with an engine
-    "vllm", the default) must not share gate state unless an operator gives them one prefix."""
+    "vllm", the tests' engine) must not share gate state unless an operator gives them one prefix."""
     from extproc.config import load_settings
 
     releases = [

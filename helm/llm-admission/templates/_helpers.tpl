@@ -556,3 +556,47 @@ mappers:
     content_type: application/json
 {{- end }}
 {{- end -}}
+
+
+{{/*
+Values the schema cannot check, refused at render with a message saying what to do. Every
+template that reads .Values.engines includes this first, so whichever Helm renders first fails
+with this message rather than a Go template error.
+- engines is required: the chart ships none, so that no placeholder engine installs silently.
+- each engine's url must reach ONE vLLM process: the service polls its /metrics for the gauges it
+  decides on, and through a ClusterIP over several replicas each poll reads a different one. The
+  chart cannot see what a name resolves to; it refuses what it can see: two engines with one url,
+  and the placeholder model name of earlier chart versions.
+- engine names and models unique; the shape one of the two.
+*/}}
+{{- define "llm-admission.validate" -}}
+{{- if not (has .Values.shape (list "sidecar" "shared")) }}
+{{- fail (printf "shape=%q: must be \"sidecar\" (Envoy + admission service in every pod) or \"shared\" (Envoys pointing at one admission service)" .Values.shape) }}
+{{- end }}
+{{- if not .Values.engines }}
+{{- fail "engines is required: list the vLLM engines this gateway fronts, e.g. --set 'engines[0].name=qwen' --set 'engines[0].url=http://qwen-vllm-0.qwen-vllm:8000' --set 'engines[0].models={Qwen/Qwen3-8B}'. Each url must reach ONE vLLM process (a pod's address, or a Service over exactly one replica), not a ClusterIP over several replicas: the gate polls that url's /metrics and must always read the same engine" }}
+{{- end }}
+{{- $names := dict }}
+{{- $models := dict }}
+{{- $urls := dict }}
+{{- range $i, $e := .Values.engines }}
+{{- if hasKey $names $e.name }}
+{{- fail (printf "engines: name %q is used twice; engine names must be unique" $e.name) }}
+{{- end }}
+{{- $_ := set $names $e.name true }}
+{{- $url := trimSuffix "/" (lower $e.url) }}
+{{- if hasKey $urls $url }}
+{{- fail (printf "engines: %q and %q have the same url %s; each engine is ONE vLLM process with its own url (list every model it serves under one engine)" (get $urls $url) $e.name $e.url) }}
+{{- end }}
+{{- $_ := set $urls $url $e.name }}
+{{- range $e.models }}
+{{- if eq . "my-model" }}
+{{- fail (printf "engines[%d].models: %q is the example placeholder; list the names the engine serves (vLLM --served-model-name)" $i .) }}
+{{- end }}
+{{- if hasKey $models . }}
+{{- fail (printf "engines: model %q is listed for engines %q and %q; each model must map to exactly one engine" . (get $models .) $e.name) }}
+{{- end }}
+{{- $_ := set $models . $e.name }}
+{{- end }}
+{{- end }}
+{{- end -}}
