@@ -23,6 +23,20 @@ app.kubernetes.io/name: {{ include "llm-admission.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* A pod template's labels: the selector labels, the component, podLabels. No chart version and
+no app version: a label change rolls the pods, and a chart bump must not restart the one shared
+admission service (the image tag says what runs). Argument: dict ctx, component ("" for the
+sidecar shape's pods). */}}
+{{- define "llm-admission.podLabels" -}}
+{{ include "llm-admission.selectorLabels" .ctx }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- with .ctx.Values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{- define "llm-admission.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{ include "llm-admission.selectorLabels" . }}
@@ -182,8 +196,13 @@ loopback in the sidecar shape, the shared Service's cluster DNS name in the shar
 {{- end -}}
 {{- end -}}
 
-{{/* Pod-spec fields every pod of the chart shares (image pull secrets, priority, security). */}}
+{{/* Pod-spec fields every pod of the chart shares (image pull secrets, priority, security). No
+pod talks to the Kubernetes API: no service account token is mounted. */}}
 {{- define "llm-admission.podCommon" -}}
+{{- with .Values.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+automountServiceAccountToken: false
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -195,23 +214,46 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end -}}
 
-{{/* Scheduling fields every pod of the chart shares. */}}
+{{/* Scheduling of one kind of pod. Argument: dict ctx, component ("envoy": every pod that runs
+Envoy, the sidecar shape's and the shared shape's Envoy pods; "extproc": the shared shape's
+admission service) and selector (the pods' selector labels, for the default spread). Each of
+nodeSelector, tolerations, affinity and topologySpreadConstraints comes from the component's own
+`scheduling` when set there, else from the top-level value. Pods that run Envoy without any
+topologySpreadConstraints get the default spread (topologySpread): at most maxSkew more
+replicas on one node than on another, counted per ReplicaSet (matchLabelKeys
+pod-template-hash), so that a node loss does not take every replica. */}}
 {{- define "llm-admission.podScheduling" -}}
-{{- with .Values.nodeSelector }}
+{{- $v := .ctx.Values -}}
+{{- $own := dict -}}
+{{- if eq .component "envoy" }}{{ $own = $v.envoy.scheduling | default dict }}{{ else }}{{ $own = $v.extproc.scheduling | default dict }}{{ end -}}
+{{- $nodeSelector := $own.nodeSelector | default $v.nodeSelector -}}
+{{- $tolerations := $own.tolerations | default $v.tolerations -}}
+{{- $affinity := $own.affinity | default $v.affinity -}}
+{{- $spread := $own.topologySpreadConstraints | default $v.topologySpreadConstraints -}}
+{{- with $nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.affinity }}
+{{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.tolerations }}
+{{- with $tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.topologySpreadConstraints }}
+{{- if $spread }}
 topologySpreadConstraints:
-  {{- toYaml . | nindent 2 }}
+  {{- toYaml $spread | nindent 2 }}
+{{- else if and (eq .component "envoy") $v.topologySpread.enabled }}
+topologySpreadConstraints:
+- maxSkew: {{ int64 $v.topologySpread.maxSkew }}
+  topologyKey: {{ $v.topologySpread.topologyKey }}
+  whenUnsatisfiable: {{ $v.topologySpread.whenUnsatisfiable }}
+  labelSelector:
+    matchLabels:
+      {{- .selector | nindent 6 }}
+  matchLabelKeys: [pod-template-hash]
 {{- end }}
 {{- end -}}
 
@@ -284,6 +326,17 @@ listener's probes, the preStop drain (configmap-envoy.yaml's prestop.sh). Its co
   - name: envoy-config
     mountPath: /etc/envoy
     readOnly: true
+  {{- with .Values.envoy.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/* Volumes of every pod of the release (extraVolumes): each container's extraVolumeMounts
+find theirs in whichever pod runs it. */}}
+{{- define "llm-admission.extraVolumes" -}}
+{{- with .Values.extraVolumes }}
+{{- toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{/* The volume the Envoy container mounts. */}}
@@ -418,6 +471,10 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
   {{- with $a.extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+  {{- with $a.envFrom }}
+  envFrom:
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
   ports:
   {{- if $shared }}
   - name: grpc
@@ -469,6 +526,9 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
   - name: engines
     mountPath: /etc/llm-admission
     readOnly: true
+  {{- with $a.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end -}}
 
 {{/* The volume the admission container mounts. */}}
