@@ -48,7 +48,8 @@ def test_every_manifest_validates_against_the_kubernetes_schema(rendered: Render
 
 def test_default_shape_is_one_deployment_with_envoy_and_the_service(chart: Chart) -> None:
     r = chart.render()
-    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service"]
+    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget",
+                         "Service", "Service"]
     assert [c["name"] for c in r.deployment["spec"]["template"]["spec"]["containers"]] == ["envoy", "admission"]
     assert r.container("envoy")["image"].startswith("envoyproxy/envoy:v1.40.")
     assert r.container("admission")["command"][:2] == ["extproc", "serve"]

@@ -45,8 +45,8 @@ def test_every_manifest_validates_against_the_kubernetes_schema(shared: Rendered
 
 def test_shared_shape_is_an_envoy_deployment_and_one_admission_service(chart: Chart) -> None:
     r = chart.render(SHARED_VALUE_SETS["shared-default"])
-    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "PodDisruptionBudget",
-                         "Service", "Service", "Service"]
+    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy",
+                         "PodDisruptionBudget", "Service", "Service", "Service"]
     assert sorted(d["metadata"]["name"] for d in r.deployments) == ["demo-llm-admission-envoy", "demo-llm-admission-extproc"]
     assert [c["name"] for c in r.one("Deployment", "-envoy")["spec"]["template"]["spec"]["containers"]] == ["envoy"]
     assert [c["name"] for c in r.one("Deployment", "-extproc")["spec"]["template"]["spec"]["containers"]] == ["admission"]
