@@ -34,12 +34,22 @@ cannot pick an engine, on gated paths, ungated paths, or while the service is do
 `failure_mode_allow` is the explicit choice for "the admission service is down": `open` (default)
 forwards requests ungated, so an admission outage never becomes an inference outage; `closed`
 answers 503 (`status_on_error`) instead.
+
+Envoy's memory is bounded against its container's limit (`overload_manager`): every downstream
+connection may hold up to two body-cap buffers (its read buffer and the request body buffered
+for the service, each up to `per_connection_buffer_limit_bytes`), so a global cap on downstream
+connections is sized as (heap cap - a base reserve for Envoy itself) / (2 x body cap), and the
+heap cap is 90% of the memory limit (the rest is stacks and the binary). Past the cap Envoy
+refuses new connections (`global_downstream_max_connections`); at 95% of the heap cap it
+returns freed memory to the system (`shrink_heap`), at 98% it answers new requests 503 (
+`stop_accepting_requests`) instead of being OOM-killed with every stream it holds.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +61,18 @@ from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
 from .servicer import OUTCOME_HEADER, ROUTE_HEADER
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
+#: Envoy's container memory limit when none is given (the chart's default envoy.resources.limits.memory).
+DEFAULT_ENVOY_MEMORY_LIMIT_BYTES = 512 * 1024 * 1024
+#: The overload manager's heap cap, in percent of the memory limit.
+HEAP_PERCENT_OF_LIMIT = 90
+#: Heap kept for Envoy itself (measured 64 MiB idle, 82 MiB with 256 connections), not for buffers.
+ENVOY_BASE_HEAP_BYTES = 128 * 1024 * 1024
+#: Body-cap buffers one downstream connection may hold: its read buffer and the buffered request body.
+BUFFERS_PER_CONNECTION = 2
+#: Below this many connections the memory limit is too small for the body cap.
+MIN_DOWNSTREAM_CONNECTIONS = 16
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 #: Request headers with this prefix are removed as the request enters Envoy (client-set ones).
 STRIPPED_HEADER_PREFIX = "x-admission-"
 #: Paths the engine's router could decode into a gated path (RE2, whole path, query removed).
@@ -114,6 +136,50 @@ def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int,
             }
         }
     return cluster
+
+
+def memory_bytes(quantity: str | int) -> int:
+    """A Kubernetes memory quantity in bytes: an integer with an optional unit (Ki, Mi, Gi, Ti, k, M, G, T)."""
+    match = re.fullmatch(r"([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(quantity).strip())
+    if not match:
+        raise ValueError(f"memory quantity {quantity!r}: want an integer with an optional unit Ki, Mi, Gi, Ti, k, M, G or T")
+    return int(match.group(1)) * _QUANTITY_UNITS[match.group(2) or ""]
+
+
+def heap_cap_bytes(memory_limit_bytes: int) -> int:
+    """The overload manager's heap cap for a container memory limit."""
+    return memory_limit_bytes * HEAP_PERCENT_OF_LIMIT // 100
+
+
+def max_downstream_connections(memory_limit_bytes: int, buffer_bytes: int) -> int:
+    """Downstream connections one Envoy may hold, each with up to two body-cap buffers, within its heap cap."""
+    connections = (heap_cap_bytes(memory_limit_bytes) - ENVOY_BASE_HEAP_BYTES) // (BUFFERS_PER_CONNECTION * buffer_bytes)
+    if connections < MIN_DOWNSTREAM_CONNECTIONS:
+        raise ValueError(
+            f"Envoy's memory limit ({memory_limit_bytes} bytes) leaves room for {max(connections, 0)} connections of "
+            f"{BUFFERS_PER_CONNECTION} x {buffer_bytes}-byte buffers (at least {MIN_DOWNSTREAM_CONNECTIONS} needed): "
+            "raise the memory limit, lower the body cap, or set the connection cap explicitly")
+    return connections
+
+
+def _overload_manager(memory_limit_bytes: int, connections: int) -> dict[str, Any]:
+    heap = "envoy.resource_monitors.fixed_heap"
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {"name": heap, "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                "max_heap_size_bytes": heap_cap_bytes(memory_limit_bytes)}},
+            {"name": "envoy.resource_monitors.global_downstream_max_connections", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": connections}},
+        ],
+        "actions": [
+            {"name": "envoy.overload_actions.shrink_heap", "triggers": [{"name": heap, "threshold": {"value": 0.95}}]},
+            {"name": "envoy.overload_actions.stop_accepting_requests",
+             "triggers": [{"name": heap, "threshold": {"value": 0.98}}]},
+        ],
+    }
 
 
 def engine_bound(settings: Settings, engine: EngineConfig) -> int:
@@ -257,8 +323,15 @@ def build_envoy_config(
     failure_mode: str = "open",
     stream_idle_timeout: float | None = None,
     bound_engines: bool = True,
+    memory_limit_bytes: int | None = DEFAULT_ENVOY_MEMORY_LIMIT_BYTES,
+    downstream_connections: int | None = None,
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict; `render_envoy_config` turns it into YAML.
+
+    `memory_limit_bytes` is Envoy's container memory limit: it sizes the overload manager's heap
+    cap and, unless `downstream_connections` is given, the global downstream connection cap.
+    None: no overload manager at all (an Envoy without a memory limit, e.g. a benchmark holding
+    thousands of connections on purpose).
 
     `bound_engines=False` leaves out the engine clusters' bound (and the ungated cluster): only
     for reproducing the reference gate, which had none (`bench.admission --mode reference`).
@@ -342,8 +415,11 @@ def build_envoy_config(
         first = engines[0]
         clusters.append(_cluster(first.cluster + UNGATED_CLUSTER_SUFFIX, first.upstream_host, first.upstream_port,
                                  http2=False, max_requests=settings.max_streams, connect_timeout="5s"))
-    return {
-        "admin": {"address": _addr(admin_host, admin_port)},
+    config: dict[str, Any] = {"admin": {"address": _addr(admin_host, admin_port)}}
+    if memory_limit_bytes is not None:
+        connections = downstream_connections or max_downstream_connections(memory_limit_bytes, settings.max_body_bytes)
+        config["overload_manager"] = _overload_manager(memory_limit_bytes, connections)
+    return config | {
         "static_resources": {
             "listeners": [
                 {

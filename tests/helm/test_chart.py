@@ -176,7 +176,7 @@ def test_engines_config_and_env_are_accepted_by_the_service_itself(rendered: Ren
 
 def test_rendered_envoy_config_is_exactly_what_the_service_generator_builds(rendered: Rendered, tmp_path: Path) -> None:
     """The chart's template and extproc/envoyconf.py make the same choices, field for field."""
-    from extproc.envoyconf import build_envoy_config
+    from extproc.envoyconf import build_envoy_config, memory_bytes
 
     settings = _service_settings(rendered, tmp_path)
     merged = _merged(rendered)
@@ -187,10 +187,15 @@ def test_rendered_envoy_config_is_exactly_what_the_service_generator_builds(rend
         extproc_host="127.0.0.1", extproc_port=merged["admission"]["grpcPort"],
         failure_mode=merged["admission"]["failureMode"],
         stream_idle_timeout=settings.max_park_seconds + merged["envoy"]["firstTokenAllowanceSeconds"],
+        memory_limit_bytes=memory_bytes(merged["envoy"]["resources"]["limits"]["memory"]),
+        downstream_connections=merged["envoy"].get("maxDownstreamConnections"),
     )
     got = rendered.envoy
-    # The chart's only addition: the health listener and the admin cluster it forwards to.
+    # The chart's only addition: the health listener (exempt from the connection cap) and the
+    # admin cluster it forwards to.
     resources = got["static_resources"]
+    health = next(lst for lst in resources["listeners"] if lst["name"] == "envoy_health")
+    assert health["ignore_global_conn_limit"] is True
     resources["listeners"] = [lst for lst in resources["listeners"] if lst["name"] != "envoy_health"]
     resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "envoy_admin"]
     assert got == expected
@@ -409,3 +414,35 @@ def _service_settings(rendered: Rendered, tmp_path: Path) -> Any:
     env = rendered.env()
     env["EXTPROC_CONFIG"] = str(path)
     return load_settings(env)
+
+
+@pytest.mark.parametrize(
+    ("envoy_values", "body", "heap", "connections"),
+    [
+        ({}, 1 << 20, 483183820, 166),
+        ({"resources": {"limits": {"memory": "1Gi"}}}, 1 << 20, 966367641, 396),
+        ({"resources": {"limits": {"memory": "2G"}}}, 1 << 20, 1800000000, 794),
+        ({"resources": {"limits": {"memory": 1073741824}}}, 4 << 20, 966367641, 99),
+        ({"maxDownstreamConnections": 1000}, 1 << 20, 483183820, 1000),
+    ],
+)
+def test_envoys_overload_manager_is_sized_from_its_memory_limit_and_the_body_cap(
+        chart: Chart, envoy_values: dict[str, Any], body: int, heap: int, connections: int) -> None:
+    r = chart.render({"envoy": envoy_values, "admission": {"maxBodyBytes": body}})
+    monitors = {m["name"]: m["typed_config"] for m in r.envoy["overload_manager"]["resource_monitors"]}
+    assert monitors["envoy.resource_monitors.fixed_heap"]["max_heap_size_bytes"] == heap
+    assert monitors["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"] == connections
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"envoy": {"resources": {"limits": {"memory": None}}}}, "envoy.resources.limits.memory must be set"),
+        ({"envoy": {"resources": {"limits": {"memory": "1.5Gi"}}}}, 'envoy.resources.limits.memory="1.5Gi": want an integer'),
+        ({"envoy": {"resources": {"limits": {"memory": "256Mi"}}}, "admission": {"maxBodyBytes": 16 << 20}},
+         "envoy.resources.limits.memory=256Mi leaves room for 3 connections"),
+    ],
+)
+def test_an_envoy_memory_limit_that_cannot_size_the_caps_is_refused(chart: Chart, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render(values)

@@ -158,3 +158,73 @@ def test_client_set_admission_headers_are_removed_before_routing() -> None:
     (extension,) = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["early_header_mutation_extensions"]
     assert extension["name"] == "envoy.http.early_header_mutation.header_mutation"
     assert extension["typed_config"]["mutations"] == [{"remove_on_match": {"key_matcher": {"prefix": "x-admission-"}}}]
+
+
+# --- the overload manager and the connection cap ------------------------------------------------
+
+
+def _monitors(doc: dict) -> dict:
+    return {m["name"]: m["typed_config"] for m in doc["overload_manager"]["resource_monitors"]}
+
+
+@pytest.mark.parametrize(
+    ("limit", "body", "connections"),
+    [
+        ("512Mi", 1 << 20, 166),  # the chart's default: (0.9 x 512 MiB - 128 MiB) / 2 MiB
+        ("1Gi", 1 << 20, 396),
+        ("512Mi", 4 << 20, 41),
+        ("2G", 1 << 20, 794),
+    ],
+)
+def test_the_connection_cap_leaves_room_for_two_body_buffers_per_connection(limit: str, body: int, connections: int,
+                                                                            tmp_path: Path) -> None:
+    from extproc.envoyconf import memory_bytes
+
+    settings = load_settings({**LOCAL_ENV, "MAX_BODY_BYTES": str(body)})
+    doc = build_envoy_config(settings, memory_limit_bytes=memory_bytes(limit))
+    monitors = _monitors(doc)
+    heap = monitors["envoy.resource_monitors.fixed_heap"]["max_heap_size_bytes"]
+    assert heap == memory_bytes(limit) * 90 // 100
+    cap = monitors["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"]
+    assert cap == connections
+    # Every connection at two full buffers, plus Envoy's own 128 MiB, stays within the heap cap.
+    assert cap * 2 * body + 128 * 2**20 <= heap < (cap + 1) * 2 * body + 128 * 2**20
+    actions = {a["name"]: a["triggers"][0]["threshold"]["value"] for a in doc["overload_manager"]["actions"]}
+    assert actions == {"envoy.overload_actions.shrink_heap": 0.95, "envoy.overload_actions.stop_accepting_requests": 0.98}
+    _validate(render_envoy_config(settings, memory_limit_bytes=memory_bytes(limit)), tmp_path)
+
+
+def test_the_committed_local_config_has_the_overload_manager_of_the_default_limit() -> None:
+    doc = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    assert _monitors(doc)["envoy.resource_monitors.global_downstream_max_connections"] == {
+        "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+        "max_active_downstream_connections": 166}
+
+
+def test_an_explicit_cap_wins_and_no_limit_means_no_overload_manager() -> None:
+    settings = load_settings(LOCAL_ENV)
+    doc = build_envoy_config(settings, downstream_connections=5000)
+    assert _monitors(doc)["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"] == 5000
+    assert "overload_manager" not in build_envoy_config(settings, memory_limit_bytes=None)
+
+
+def test_a_memory_limit_too_small_for_the_body_cap_is_refused() -> None:
+    settings = load_settings({**LOCAL_ENV, "MAX_BODY_BYTES": str(16 << 20)})
+    with pytest.raises(ValueError, match="leaves room for 3 connections"):
+        build_envoy_config(settings, memory_limit_bytes=256 * 2**20)
+
+
+@pytest.mark.parametrize(("quantity", "expected"), [("512Mi", 536870912), ("1Gi", 1073741824), ("2G", 2 * 10**9),
+                                                     ("800k", 800000), (1048576, 1048576), ("1Ti", 2**40)])
+def test_memory_quantities(quantity: str | int, expected: int) -> None:
+    from extproc.envoyconf import memory_bytes
+
+    assert memory_bytes(quantity) == expected
+
+
+@pytest.mark.parametrize("quantity", ["1.5Gi", "512MiB", "-1Gi", "", "1e9"])
+def test_memory_quantities_the_generator_cannot_read_are_refused(quantity: str) -> None:
+    from extproc.envoyconf import memory_bytes
+
+    with pytest.raises(ValueError, match="memory quantity"):
+        memory_bytes(quantity)

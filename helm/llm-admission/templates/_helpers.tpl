@@ -660,3 +660,63 @@ with this message rather than a Go template error.
 {{- end }}
 {{- end }}
 {{- end -}}
+
+
+{{/* A Kubernetes memory quantity in bytes (extproc/envoyconf.py memory_bytes): an integer with
+an optional unit Ki, Mi, Gi, Ti, k, M, G, T. */}}
+{{- define "llm-admission.memoryBytes" -}}
+{{- $q := toString . -}}
+{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) }}{{ $q = toString (int64 .) }}{{ end -}}
+{{- $m := regexFindAll "^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$" $q -1 -}}
+{{- if not $m -}}
+{{- fail (printf "envoy.resources.limits.memory=%q: want an integer with an optional unit Ki, Mi, Gi, Ti, k, M, G or T" $q) -}}
+{{- end -}}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $unit := regexFind "(Ki|Mi|Gi|Ti|k|M|G|T)$" $q -}}
+{{- $n := int64 (trimSuffix $unit $q) -}}
+{{- if $unit }}{{ mul $n (get $units $unit) }}{{ else }}{{ $n }}{{ end -}}
+{{- end -}}
+
+{{/* Envoy's overload manager (extproc/envoyconf.py _overload_manager): heap cap 90% of the
+container's memory limit; the global downstream connection cap envoy.maxDownstreamConnections,
+else (heap cap - 128 MiB for Envoy itself) / (2 x admission.maxBodyBytes), since a connection may
+hold its read buffer and the buffered request body, each up to the body cap. */}}
+{{- define "llm-admission.overloadManager" -}}
+{{- $limit := "" -}}
+{{- with .Values.envoy.resources }}{{ with .limits }}{{ with .memory }}{{ $limit = . }}{{ end }}{{ end }}{{ end -}}
+{{- if not $limit -}}
+{{- fail "envoy.resources.limits.memory must be set: it sizes Envoy's overload manager (heap cap) and its connection cap against the per-connection buffer (admission.maxBodyBytes)" -}}
+{{- end -}}
+{{- $bytes := int64 (include "llm-admission.memoryBytes" $limit) -}}
+{{- $heap := div (mul $bytes 90) 100 -}}
+{{- $connections := 0 -}}
+{{- if .Values.envoy.maxDownstreamConnections -}}
+{{- $connections = int64 .Values.envoy.maxDownstreamConnections -}}
+{{- else -}}
+{{- $connections = div (sub $heap 134217728) (mul 2 (int64 .Values.admission.maxBodyBytes)) -}}
+{{- if lt $connections 16 -}}
+{{- fail (printf "envoy.resources.limits.memory=%v leaves room for %d connections of 2 x %d-byte buffers (at least 16 needed): raise the limit, lower admission.maxBodyBytes, or set envoy.maxDownstreamConnections" $limit (max $connections 0) (int64 .Values.admission.maxBodyBytes)) -}}
+{{- end -}}
+{{- end -}}
+refresh_interval: 0.25s
+resource_monitors:
+- name: envoy.resource_monitors.fixed_heap
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig
+    max_heap_size_bytes: {{ $heap }}
+- name: envoy.resource_monitors.global_downstream_max_connections
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig
+    max_active_downstream_connections: {{ $connections }}
+actions:
+- name: envoy.overload_actions.shrink_heap
+  triggers:
+  - name: envoy.resource_monitors.fixed_heap
+    threshold:
+      value: 0.95
+- name: envoy.overload_actions.stop_accepting_requests
+  triggers:
+  - name: envoy.resource_monitors.fixed_heap
+    threshold:
+      value: 0.98
+{{- end -}}
