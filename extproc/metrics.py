@@ -115,6 +115,16 @@ class Metrics:
         self.stale = Gauge("engine_state_is_stale", "1 while the engine state is stale and admission fails open.", ["engine"], registry=r)
         self.stale_total = Counter(
             "engine_state_stale", "Transitions into stale engine state (fail-open).", ["engine"], registry=r)
+        # The configured max in-flight must equal the engine's --max-num-seqs, which no engine gauge
+        # shows; an engine running more requests than the limit proves a larger --max-num-seqs.
+        self.running_over_limit = Gauge(
+            "admission_engine_running_over_limit",
+            "Running requests above the configured max in-flight at the last good poll (0 = within it); above 0 the "
+            "engine's --max-num-seqs is larger than max_inflight.", ["engine"], registry=r)
+        self.limit_drift = Counter(
+            "admission_engine_limit_drift",
+            "Transitions into limit drift: the engine reported more running requests than the configured max in-flight.",
+            ["engine"], registry=r)
         self.poll_failures = Counter(
             "engine_poll_failures", "Failed polls of the engine's /metrics, by reason.", ["engine", "reason"], registry=r)
         self.poll_duration = Histogram(
@@ -139,6 +149,8 @@ class Metrics:
                 continue
             name = engine.name
             self.stale_total.labels(name)
+            self.limit_drift.labels(name)
+            self.running_over_limit.labels(name).set(0)
             for reason in POLL_FAILURE_REASONS:
                 self.poll_failures.labels(name, reason)
             for outcome in PARK_ENDINGS:

@@ -50,6 +50,7 @@ class EngineObserver:
         self._capacity_source: dict[str, str] = {}
         self._capacity_seen: dict[str, bool] = {}  # the engine has shown vllm:cache_config_info
         self._prompt_tokens: dict[str, float] = {}  # the engine's vllm:prompt_tokens_total at the last poll
+        self._drifting: dict[str, bool] = {}  # the last good poll showed running > max in-flight
         self._engines = [e for e in settings.engines if e.models]
 
     async def start(self) -> None:
@@ -143,8 +144,29 @@ class EngineObserver:
             generated_count=gauges.generated_count,
         )
         self._log_capacity_source(engine, gauges)
+        self._check_limit_drift(engine, gauges.running)
         self._count_prompt_tokens(engine, gauges.prompt_tokens_total)
         await self._admission.observe(engine.name, snapshot)
+
+    def _check_limit_drift(self, engine: EngineConfig, running: float) -> None:
+        """Max in-flight must be the engine's --max-num-seqs, which no gauge shows; vLLM never runs more
+        than --max-num-seqs, so running above the limit proves the two differ. Logged once per
+        transition, counted (admission_engine_limit_drift_total), shown (..._running_over_limit)."""
+        limit = engine.limits.max_inflight
+        over = max(0.0, running - limit)
+        self._metrics.running_over_limit.labels(engine.name).set(over)
+        drifting = over > 0
+        if drifting == self._drifting.get(engine.name, False):
+            return
+        self._drifting[engine.name] = drifting
+        if drifting:
+            self._metrics.limit_drift.labels(engine.name).inc()
+            log.warning("the engine runs more requests than max_inflight: its --max-num-seqs is larger than the "
+                        "configured limit (set max_inflight / ADMISSION_MAX_INFLIGHT to the engine's --max-num-seqs)",
+                        extra={"engine": engine.name, "running": running, "max_inflight": limit})
+        else:
+            log.info("the engine runs no more requests than max_inflight again",
+                     extra={"engine": engine.name, "running": running, "max_inflight": limit})
 
     def _count_prompt_tokens(self, engine: EngineConfig, total: float | None) -> None:
         """Mirror the engine's prompt-token counter's growth (the estimate ratio's denominator)."""
