@@ -29,6 +29,12 @@ the model, on streaming, or on how many tokens the request may generate:
   handler `max_tokens`, so the larger is never below what either honours (0 means "not given"
   there, the engine then generates up to the context length, and the configured default applies).
 
+Besides the prompt text, the scan measures what else the engine's prompt and KV depend on
+(`extproc/estimate.py`): the number of chat messages (each gets the template's framing), the
+`tools` array's JSON as the template renders it (keys and values, quotes and separators, from the
+events), tool calls' names and arguments, a completion prompt's token ids, and `n` / `best_of`
+(read like the token limits: an invalid one is `400 invalid_body`, as the engine answers).
+
 The grammar is Python's, not yajl's, wherever they differ and it matters: vertical tab and form
 feed are not JSON whitespace (`json.loads` rejects them, yajl accepts them), nesting deeper than
 `MAX_DEPTH` is rejected (Python's parser gives up near 1,000 levels, the exact point depending on
