@@ -114,6 +114,16 @@ def variables() -> list[db.QueryVariable | db.DatasourceVariable]:
         .include_all(True)
         .all_value(".*")
         .current(ALL),
+        db.QueryVariable("namespace")
+        .label("namespace (containers)")
+        .datasource(DATASOURCE)
+        .query('label_values(container_cpu_cfs_periods_total{container=~"envoy|admission"}, namespace)')
+        .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(model.VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(ALL),
         db.QueryVariable("model")
         .label("model (vLLM)")
         .datasource(DATASOURCE)
@@ -266,6 +276,17 @@ def build() -> dict[str, object]:
             query("B", f"sum by (engine) (rate(engine_state_stale_total{{{GW}}}[{RATE}]))",
                   "went stale: {{engine}}"),
         ))
+        .with_panel(panel(
+            "Running over max in-flight (limit drift)",
+            "Running requests above the configured max in-flight at the last poll, and transitions into that "
+            "state. vLLM never runs more than its --max-num-seqs, so anything above 0 means the engine's "
+            "limit is larger than max_inflight (no gauge shows it): the gate parks requests the engine could "
+            "run. Alert LLMAdmissionEngineLimitDrift.",
+            "short",
+            query("A", f"max by (engine) (admission_engine_running_over_limit{{{GW}}})", "over the limit: {{engine}}"),
+            query("B", f"sum by (engine) (increase(admission_engine_limit_drift_total{{{GW}}}[{RATE}]))",
+                  "went over: {{engine}}"),
+        ))
         .with_row(db.Row("vLLM"))
         .with_panel(panel(
             "vLLM preemptions",
@@ -285,6 +306,22 @@ def build() -> dict[str, object]:
                        f"(rate({vllm('time_to_first_token_seconds_bucket')}[{RATE}])))", "p50: {{model_name}}"),
             query("B", "histogram_quantile(0.95, sum by (le, model_name) "
                        f"(rate({vllm('time_to_first_token_seconds_bucket')}[{RATE}])))", "p95: {{model_name}}"),
+        ))
+        # cAdvisor's series (the kubelet's): only in a cluster; the local stack has none.
+        .with_row(db.Row("Gateway containers"))
+        .with_panel(panel(
+            "CPU throttling: the service and Envoy",
+            "Share of CFS periods in which the container hit its CPU limit (cAdvisor, containers envoy and "
+            "admission). Throttling adds latency to every decision and every proxied byte while the CPU graph "
+            "looks flat at the limit; alert LLMAdmissionCPUThrottled fires above 25% for 15 minutes. Empty "
+            "without the kubelet's cAdvisor metrics.",
+            "percentunit",
+            query("A", 'sum by (pod, container) (rate(container_cpu_cfs_throttled_periods_total{container=~"envoy|admission",'
+                       f'namespace=~"$namespace"}}[{RATE}]))\n/\n'
+                       'sum by (pod, container) (rate(container_cpu_cfs_periods_total{container=~"envoy|admission",'
+                       f'namespace=~"$namespace"}}[{RATE}]))',
+                  "{{pod}}: {{container}}"),
+            width=24,
         ))
         # Only with ADMISSION_LEDGER=redis (chart: ledger.backend) do these series exist; with a
         # local ledger the row stays empty.

@@ -323,10 +323,14 @@ def test_service_monitor_scrapes_the_admin_port_with_the_job_the_alerts_expect(c
     assert 'up{job="llm-admission"}' in next(r["expr"] for r in rules["groups"][0]["rules"] if r["alert"] == "LLMAdmissionServiceDown")
 
 
-def test_prometheus_rule_carries_the_checked_rules_file(chart: Chart, tmp_path: Path, promtool: str) -> None:
+def test_prometheus_rule_carries_the_checked_rules_scoped_to_the_release(chart: Chart, tmp_path: Path, promtool: str) -> None:
     rule = chart.render(VALUE_SETS["monitoring-on"]).one("PrometheusRule")
-    source = yaml.safe_load((ROOT / "alerts" / "llm-admission.rules.yml").read_text())
-    assert rule["spec"] == source
+    text = (ROOT / "alerts" / "llm-admission.rules.yml").read_text()
+    scope = 'namespace="inference",service="demo-llm-admission-metrics"'
+    text = text.replace('job="llm-admission"', f'job="llm-admission",{scope}')
+    text = text.replace('job="llm-admission-envoy"', f'job="llm-admission-envoy",{scope}')
+    text = text.replace('container=~"envoy|admission"', 'container=~"envoy|admission",namespace="inference",pod=~"demo-llm-admission-.*"')
+    assert rule["spec"] == yaml.safe_load(text)
     path = tmp_path / "from-chart.rules.yml"
     path.write_text(yaml.safe_dump(rule["spec"]))
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)

@@ -7,14 +7,18 @@ address.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 
-from .conftest import NAMESPACE, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered
+
+from .conftest import CHART, NAMESPACE, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered, helm
 from .test_chart import _park_cap, _service_settings, validate_manifests
 
 
@@ -199,3 +203,61 @@ def test_notes_name_the_shared_service_and_what_a_restart_does(chart: Chart) -> 
     closed = chart.render({"shape": "shared", "admission": {"failureMode": "closed"}}).notes
     assert "EVERY Envoy, for every restart" in closed
 
+
+
+# --- changing the shape on upgrade ---------------------------------------------------------------
+
+
+def _guard_chart(tmp_path: Path, previous_selector: dict[str, str] | None) -> Path:
+    """A copy of the chart whose extra template runs the guard on a given live Service (what
+    `lookup` returns against a cluster; offline it returns nothing)."""
+    copy = tmp_path / "llm-admission"
+    shutil.copytree(CHART, copy)
+    previous = {"spec": {"selector": previous_selector}} if previous_selector is not None else {}
+    literal = json.dumps(json.dumps(previous))  # a Go string literal holding the JSON
+    (copy / "templates" / "zz-guard.yaml").write_text(
+        f'{{{{- include "llm-admission.shapeChangeGuard" (dict "ctx" . "previous" (fromJson {literal})) }}}}\n')
+    return copy
+
+
+SIDECAR_SERVICE = {"app.kubernetes.io/name": "llm-admission", "app.kubernetes.io/instance": "demo"}
+SHARED_SERVICE = {**SIDECAR_SERVICE, "app.kubernetes.io/component": "envoy"}
+
+
+@pytest.mark.parametrize(
+    ("previous", "values", "refused"),
+    [
+        (SIDECAR_SERVICE, {"shape": "shared"}, 'this release runs shape "sidecar" and the upgrade asks for "shared"'),
+        (SHARED_SERVICE, {}, 'this release runs shape "shared" and the upgrade asks for "sidecar"'),
+        (SIDECAR_SERVICE, {"shape": "shared", "shapeChange": {"allow": True}}, None),
+        (SIDECAR_SERVICE, {}, None),
+        (SHARED_SERVICE, {"shape": "shared"}, None),
+        (None, {"shape": "shared"}, None),  # a first install: no live Service
+    ],
+)
+def test_an_upgrade_that_changes_the_shape_is_refused_unless_allowed(
+        tmp_path: Path, previous: dict[str, str] | None, values: dict[str, Any], refused: str | None) -> None:
+    copy = _guard_chart(tmp_path, previous)
+    with helm.Chart.load(str(copy)) as loaded:
+        chart = Chart(loaded)
+        if refused is None:
+            chart.render(values, is_upgrade=True)
+            return
+        with pytest.raises(helm.HelmRenderError) as excinfo:
+            chart.render(values, is_upgrade=True)
+    message = str(excinfo.value)
+    assert refused in message and "shapeChange.allow=true" in message and "no Ready pod" in message
+
+
+def test_the_inference_service_runs_the_guard_on_the_live_service_of_the_same_name() -> None:
+    text = (CHART / "templates" / "service.yaml").read_text()
+    assert ('{{- include "llm-admission.shapeChangeGuard" (dict "ctx" . "previous" '
+            '(lookup "v1" "Service" .Release.Namespace (include "llm-admission.fullname" .))) }}') in text
+
+
+@pytest.mark.parametrize(("shape", "selector"), [("sidecar", SIDECAR_SERVICE), ("shared", SHARED_SERVICE)])
+def test_the_guard_reads_the_shape_from_the_selector_each_shape_renders(chart: Chart, shape: str,
+                                                                         selector: dict[str, str]) -> None:
+    inference = next(s for s in chart.render({"shape": shape}).objects
+                     if s["kind"] == "Service" and s["metadata"]["name"] == "demo-llm-admission")
+    assert inference["spec"]["selector"] == selector

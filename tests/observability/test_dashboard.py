@@ -52,6 +52,10 @@ def test_dashboard_has_the_required_panels_on_the_right_series() -> None:
                                                       "by (le, op)", "admission_ledger_round_trip_seconds_bucket"],
         "Ledger conflicts per second": ["admission_ledger_conflicts_total"],
         "Ledger lease expiries": ["admission_ledger_lease_expiries_total"],
+        "Running over max in-flight (limit drift)": ["admission_engine_running_over_limit",
+                                                     "admission_engine_limit_drift_total"],
+        "CPU throttling: the service and Envoy": ["container_cpu_cfs_throttled_periods_total",
+                                                  "container_cpu_cfs_periods_total", 'container=~"envoy|admission"'],
     }
     for title, needles in required.items():
         assert title in by_title, title

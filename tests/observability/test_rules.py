@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "llm-admission.rules.yml"
 RULE_TESTS = Path(__file__).with_name("llm-admission.rules.test.yml")
 RUNBOOK = ROOT / "docs" / "runbook.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
+#: Where the rules' runbook_url points (the chart's prometheusRule.runbookBaseUrl replaces it).
+RUNBOOK_BASE_URL = "https://github.com/llm-admission/llm-admission/blob/main/docs/runbook.md"
 
 REQUIRED = {
     "LLMAdmissionObserverDegraded": "observer_degraded",
@@ -25,6 +28,11 @@ REQUIRED = {
     "AdmissionLedgerDegraded": "admission_ledger_degraded",
     "AdmissionLedgerLeasesExpiring": "admission_ledger_lease_expiries_total",
     "LLMAdmissionEstimateUnderCounts": "admission_engine_prompt_tokens_total",
+    "LLMAdmissionMetricsAbsent": 'absent(up{job="llm-admission"})',
+    "LLMAdmissionEnvoyDown": 'up{job="llm-admission-envoy"} == 0',
+    "LLMAdmissionEnvoyMetricsAbsent": 'absent(up{job="llm-admission-envoy"})',
+    "LLMAdmissionEngineLimitDrift": "admission_engine_running_over_limit",
+    "LLMAdmissionCPUThrottled": "container_cpu_cfs_throttled_periods_total",
 }
 
 
@@ -63,12 +71,23 @@ def test_unit_tests_cover_every_alert_firing_and_not_firing() -> None:
         assert seen[rule["alert"]] == {"firing", "not firing"}, rule["alert"]
 
 
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def sections(text: str) -> dict[str, str]:
+    """'## Heading' -> its text, up to the next '## '."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
 def test_every_alert_links_to_its_runbook_section() -> None:
     text = RUNBOOK.read_text()
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^## (.+)$", text, re.M)}
+    anchors = {anchor(h) for h in re.findall(r"^## (.+)$", text, re.M)}
     for rule in alerts():
         url = rule["annotations"]["runbook_url"]
-        assert url == f"docs/runbook.md#{rule['alert'].lower()}", url
+        assert url == f"{RUNBOOK_BASE_URL}#{rule['alert'].lower()}", url
         assert rule["alert"].lower() in anchors, f"docs/runbook.md has no '## {rule['alert']}' section"
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
         assert rule["labels"]["severity"] in ("warning", "critical")
@@ -76,3 +95,29 @@ def test_every_alert_links_to_its_runbook_section() -> None:
 
 def test_the_chart_ships_an_identical_copy_of_the_rules() -> None:
     assert (ROOT / "helm" / "llm-admission" / "files" / "llm-admission.rules.yml").read_text() == RULES.read_text()
+
+
+
+def test_every_alerts_runbook_entry_links_to_a_troubleshooting_section_that_exists() -> None:
+    """Each entry points at docs/operations.md's troubleshooting (the real log lines and
+    `extproc check` output), at an anchor that the page has."""
+    ops = OPERATIONS.read_text()
+    ops_anchors = {anchor(h) for h in re.findall(r"^#{2,3} (.+)$", ops, re.M)}
+    assert "troubleshooting" in ops_anchors
+    entries = sections(RUNBOOK.read_text())
+    for rule in alerts():
+        links = re.findall(r"\]\(operations\.md#([^)]+)\)", entries[rule["alert"]])
+        assert links, f"runbook section {rule['alert']} has no link to operations.md"
+        for link in links:
+            assert link in ops_anchors, f"{rule['alert']}: operations.md has no #{link}"
+
+
+def test_every_selector_of_the_gateways_own_series_names_its_job() -> None:
+    """The chart scopes the rules to a release by rewriting these matchers (and cAdvisor's
+    container matcher): a selector without one would match every release's series."""
+    own = re.compile(r"\b(admission_[a-z_]+|observer_degraded|engine_state_is_stale|engine_[a-z_]+_total)(\{[^}]*\})?")
+    for rule in alerts():
+        for name, matchers in own.findall(rule["expr"]):
+            assert 'job="llm-admission"' in matchers, f"{rule['alert']}: {name}{matchers}"
+        for matchers in re.findall(r"container_cpu_cfs_[a-z_]+(\{[^}]*\})", rule["expr"]):
+            assert 'container=~"envoy|admission"' in matchers, rule["alert"]

@@ -720,3 +720,25 @@ actions:
     threshold:
       value: 0.98
 {{- end -}}
+
+
+{{/*
+Refuses an in-place shape change on upgrade. The two shapes' pods are different Deployments
+(RELEASE-llm-admission vs RELEASE-llm-admission-envoy + -extproc): an upgrade that switches shape
+deletes the old Deployment while the new pods start, and the inference Service selects only the
+new shape's pods, none of them Ready yet, so clients get connection errors until they are (image
+pull, probes: seconds to minutes). The previous shape is read from the live inference Service's
+selector (the shared shape's selects component "envoy"). Argument: dict ctx, previous (the
+Service as `lookup` returns it; empty on install and when rendering offline).
+*/}}
+{{- define "llm-admission.shapeChangeGuard" -}}
+{{- $selector := dict -}}
+{{- with .previous }}{{ with .spec }}{{ with .selector }}{{ $selector = . }}{{ end }}{{ end }}{{ end -}}
+{{- if $selector -}}
+{{- $previous := ternary "shared" "sidecar" (eq (get $selector "app.kubernetes.io/component" | toString) "envoy") -}}
+{{- $wanted := .ctx.Values.shape -}}
+{{- if and (ne $previous $wanted) (not .ctx.Values.shapeChange.allow) -}}
+{{- fail (printf "shape: this release runs shape %q and the upgrade asks for %q. Changing the shape in place deletes the old pods while the new ones start, and the inference Service has no Ready pod until the new Envoys are Ready (seconds to minutes): clients get connection errors. Install the new shape as a second release, move clients to its Service, then uninstall this one; or accept the gap with --set shapeChange.allow=true" $previous $wanted) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
