@@ -228,3 +228,44 @@ def test_memory_quantities_the_generator_cannot_read_are_refused(quantity: str) 
 
     with pytest.raises(ValueError, match="memory quantity"):
         memory_bytes(quantity)
+
+
+@pytest.mark.integration
+def test_envoy_refuses_connections_beyond_the_cap_and_serves_the_others(tmp_path: Path) -> None:
+    """The real Envoy with a cap of 2: a third connection is closed unanswered, the first two are served."""
+    import socket
+
+    from extproc.devstack import free_port, http_get, wait_until
+
+    port, admin = free_port(), free_port()
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_envoy_config(load_settings(LOCAL_ENV), listen_port=port, admin_port=admin, downstream_connections=2))
+    envoy = subprocess.Popen([ENVOY, "-c", str(path), "--log-level", "warn", "--concurrency", "1", "--disable-hot-restart"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    socks: list[socket.socket] = []
+    try:
+        wait_until(lambda: http_get(f"http://127.0.0.1:{admin}/ready", timeout=1)[0] == 200, 30, "Envoy to be ready")
+
+        def overflowed() -> int:
+            body = http_get(f"http://127.0.0.1:{admin}/stats?filter=downstream_global_cx_overflow$")[1].decode()
+            return sum(int(line.split(":")[1]) for line in body.splitlines() if line.strip())
+
+        for _ in range(3):
+            socks.append(socket.create_connection(("127.0.0.1", port), 5))
+        wait_until(lambda: overflowed() == 1, 10, "the third connection to be refused")
+        answers = []
+        for s in socks:
+            s.settimeout(5)
+            try:
+                s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+                answers.append(s.recv(64))
+            except OSError:
+                answers.append(b"")
+        # No engine behind it: the two accepted connections get Envoy's shaped 503; the third nothing.
+        assert [a.startswith(b"HTTP/1.1 503") for a in answers] == [True, True, False]
+        assert answers[2] == b""
+    finally:
+        for s in socks:
+            s.close()
+        envoy.terminate()
+        envoy.wait(timeout=10)
