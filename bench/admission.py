@@ -520,15 +520,18 @@ def request_body(spec: RequestSpec, content: str) -> bytes:
 
 
 def service_estimates(cfg: BenchConfig, specs: Sequence[RequestSpec], contents: dict[int, str]) -> dict[int, int] | None:
-    """The admission service's estimated prompt tokens for each request's body, from extproc's own
-    body facts and estimate (imported, not copied), with this run's service settings. None (and a
+    """The bytes rule's estimated prompt tokens for each request's body (extproc's own body facts
+    and `estimate_cost`, imported, not copied), at this run's configured bytes per token: what the
+    service reserves before it has learned anything and below the /tokenize threshold. The
+    service's own figure, whichever source it used, is `gateway_estimate_ratio`. None (and a
     warning) where the estimator's interface is not the one this was written against."""
     from extproc import endpoints, estimate
+    from extproc.config import load_settings
 
     env = cfg.service_env()
     try:
-        bytes_per_token = float(env.get("ADMISSION_BYTES_PER_TOKEN", "4"))
-        safety = float(env.get("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"))
+        settings = load_settings(env)
+        bytes_per_token, safety = settings.bytes_per_token, settings.estimate_safety_factor
         endpoint = endpoints.endpoint_for("/v1/chat/completions")
         out = {}
         for spec in specs:
