@@ -131,7 +131,7 @@ def test_the_pod_disruption_budget_covers_the_envoys_only(shared: Rendered) -> N
 
 
 def test_rendered_envoy_config_is_what_the_generator_builds_for_the_shared_service(shared: Rendered, tmp_path: Path) -> None:
-    from extproc.envoyconf import build_envoy_config
+    from extproc.envoyconf import build_envoy_config, memory_bytes
 
     settings = _service_settings(shared, tmp_path)
     assert settings.grpc_host == "0.0.0.0"
@@ -143,6 +143,8 @@ def test_rendered_envoy_config_is_what_the_generator_builds_for_the_shared_servi
         extproc_host=_extproc_dns(shared), extproc_port=merged["admission"]["grpcPort"],
         failure_mode=merged["admission"]["failureMode"],
         stream_idle_timeout=settings.max_park_seconds + merged["envoy"]["firstTokenAllowanceSeconds"],
+        memory_limit_bytes=memory_bytes(merged["envoy"]["resources"]["limits"]["memory"]),
+        downstream_connections=merged["envoy"].get("maxDownstreamConnections"),
     )
     got = shared.envoy
     resources = got["static_resources"]

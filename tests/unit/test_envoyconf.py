@@ -202,10 +202,18 @@ def test_the_committed_local_config_has_the_overload_manager_of_the_default_limi
 
 
 def test_an_explicit_cap_wins_and_no_limit_means_no_overload_manager() -> None:
+    from extproc.envoyconf import DEFAULT_ENVOY_MEMORY_LIMIT_BYTES
+
     settings = load_settings(LOCAL_ENV)
-    doc = build_envoy_config(settings, downstream_connections=5000)
+    doc = build_envoy_config(settings, memory_limit_bytes=DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, downstream_connections=5000)
     assert _monitors(doc)["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"] == 5000
+    # The local stack's Envoy runs without a container limit (and benchmarks hold thousands of
+    # connections): the dict builder adds no overload manager unless given a limit; the config
+    # file (`extproc envoy-config`, envoy/envoy.yaml) is for the chart's default 512 MiB container.
+    assert "overload_manager" not in build_envoy_config(settings)
     assert "overload_manager" not in build_envoy_config(settings, memory_limit_bytes=None)
+    assert "overload_manager:" in render_envoy_config(settings)
+    assert "overload_manager:" not in render_envoy_config(settings, memory_limit_bytes=None)
 
 
 def test_a_memory_limit_too_small_for_the_body_cap_is_refused() -> None:
