@@ -205,3 +205,10 @@ def test_extra_rules_are_added(chart: Chart) -> None:
     assert ingress_allowed(r, r.deployment, 9999, Peer(namespace=APPS))
     assert egress_allowed(r, r.deployment, 4317, Peer(ip="10.50.1.1"))
     assert not egress_allowed(r, r.deployment, 4317, Peer(ip="10.51.1.1"))
+
+
+def test_the_install_notes_say_what_the_policies_let_in(chart: Chart) -> None:
+    notes = chart.render({"shape": "shared"}).notes
+    assert "NetworkPolicies are on: inference from any source (narrow it with networkPolicy.inferenceFrom)" in notes
+    assert "the Envoys to the admission service's gRPC port only" in notes
+    assert "NetworkPolicies are on" not in chart.render({"networkPolicy": {"enabled": False}}).notes
