@@ -53,7 +53,6 @@ class RecentDecision:
 @dataclass
 class _Engine:
     config: EngineConfig
-    gauges: list[tuple[Gauge, Callable[[EngineGate], float]]]  # engine-labelled gauges and their source
     timer: asyncio.TimerHandle | None = None
     timer_for: float | None = None  # the park deadline the timer is armed for
     recent: deque[RecentDecision] = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))
@@ -95,17 +94,8 @@ class Admission:
         self._retry_after = settings.retry_after_seconds
         self._pending: set[asyncio.Task[None]] = set()  # ledger events started by sync callers
         for engine in settings.engines:
-            m, name = metrics, engine.name
-            gauges = [
-                (m.queue_depth.labels(name), lambda g, e=name: len(self._engines[e].parked)),
-                (m.inflight.labels(name), lambda g, e=name: len(self._engines[e].open)),
-                (m.effective_load.labels(name), lambda g: _nan_if_none(g.effective_load())),
-                (m.stale.labels(name), lambda g: 1 if g.state is EngineState.STALE else 0),
-                (m.kv_reserved.labels(name), lambda g, e=name: sum(t.reserved for t in self._engines[e].open.values())),
-                (m.kv_available.labels(name), lambda g: _nan_if_none(g.available_tokens())),
-            ]
-            self._engines[name] = _Engine(engine, gauges)
-            self._publish(name)
+            self._engines[engine.name] = _Engine(engine)
+            self._bind_gauges(metrics, engine.name)
 
     @property
     def ledger(self) -> Ledger:
@@ -292,7 +282,6 @@ class Admission:
     def _changed(self, engine: str) -> None:
         """The engine's state changed (here or, with a shared ledger, on another replica)."""
         self._arm_timer(engine)
-        self._publish(engine)
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -329,21 +318,33 @@ class Admission:
         now = self.now()
         self._engines[engine].recent.append(RecentDecision(
             now, ticket.model, outcome.value, ticket.tokens, max(0.0, now - ticket.arrived), decision.retry_after))
+        m = self._metrics
         if outcome.admits:
-            self._metrics.admitted.labels(engine, ticket.model, outcome.value).inc()
+            m.child(m.admitted, engine, ticket.model, outcome.value).inc()
             if ticket.backfilled:
-                self._metrics.backfilled.labels(engine, ticket.model).inc()
+                m.child(m.backfilled, engine, ticket.model).inc()
         else:
-            self._metrics.rejected.labels(engine, ticket.model, outcome.value).inc()
+            m.child(m.rejected, engine, ticket.model, outcome.value).inc()
         if parked:
-            waited = max(0.0, self.now() - ticket.arrived)
-            self._metrics.park_duration.labels(engine, outcome.value).observe(waited)
+            waited = max(0.0, now - ticket.arrived)
+            m.child(m.park_duration, engine, outcome.value).observe(waited)
 
-    def _publish(self, engine: str) -> None:
+    def _bind_gauges(self, metrics: Metrics, engine: str) -> None:
+        """The engine-labelled gauges read the gate when scraped, not on every event: an event costs
+        nothing here, and a scrape always sees the state as it is (prometheus_client calls each
+        function while collecting, on the event loop thread that serves /metrics)."""
         entry = self._engines[engine]
-        gate = self.gate(engine)
-        for gauge, read in entry.gauges:
-            gauge.set(read(gate))
+        gate = lambda: self.gate(engine)  # noqa: E731  (a shared ledger replaces the gate object)
+        reads: list[tuple[Gauge, Callable[[], float]]] = [
+            (metrics.queue_depth, lambda: len(entry.parked)),
+            (metrics.inflight, lambda: len(entry.open)),
+            (metrics.effective_load, lambda: _nan_if_none(gate().effective_load())),
+            (metrics.stale, lambda: 1 if gate().state is EngineState.STALE else 0),
+            (metrics.kv_reserved, lambda: sum(t.reserved for t in entry.open.values())),
+            (metrics.kv_available, lambda: _nan_if_none(gate().available_tokens())),
+        ]
+        for gauge, read in reads:
+            gauge.labels(engine).set_function(read)
 
 
 def _nan_if_none(value: float | None) -> float:

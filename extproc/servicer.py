@@ -169,10 +169,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         decision = await self._admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens)
         stream.ticket = decision.ticket
         outcome = decision.outcome
+        # Decided: nothing below reads the request, and a parked or admitted one must not keep its
+        # body (up to MAX_BODY_BYTES) for as long as it waits or streams.
+        del message, body, headers
         pending_read: asyncio.Future[object] | None = None
         try:
             if outcome is Outcome.PARKED:
-                self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+                self._metrics.child(self._metrics.decision_latency, engine.name, outcome.value).observe(
+                    time.perf_counter() - started)
                 log.info("parked", extra={"request_id": stream.request_id, "engine": engine.name, "model": facts.model,
                                           "queue_depth": self._admission.gate(engine.name).queue_depth})
                 # The ticket may be decided (admitted by a completion, expired, drained) while this
@@ -189,7 +193,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 self._estimator.admitted(engine.name, facts.model, cost)
                 stream.admitted = facts
                 await context.write(self._admitted_responses[engine.name])
-                self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+                self._metrics.child(self._metrics.decision_latency, engine.name, outcome.value).observe(
+                    time.perf_counter() - started)
                 log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})
                 reader, pending_read = pending_read, None
                 await self._drain(context, None, reader)
@@ -211,7 +216,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 ),
                 Outcome.SHUTTING_DOWN: "the admission service is shutting down; retry",
             }.get(outcome, outcome.value)
-            self._metrics.decision_latency.labels(engine.name, outcome.value).observe(time.perf_counter() - started)
+            self._metrics.child(self._metrics.decision_latency, engine.name, outcome.value).observe(
+                time.perf_counter() - started)
             await self._reject(context, stream, outcome, message_text, counted=True, retry_after=decision.retry_after)
         finally:
             if pending_read is not None:  # never leave a read behind to fail unobserved
