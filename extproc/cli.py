@@ -13,61 +13,11 @@ from collections.abc import Mapping, Sequence
 from . import __version__
 from .config import ConfigError, Settings, load_settings
 from .logs import configure
+from .settings_table import environment_help
 
 log = logging.getLogger("extproc")
 
-ENVIRONMENT_HELP = """\
-configuration (environment variables, read once at startup; a bad value exits with status 2):
-  ENGINE_URL                     engine base URL when no config file is used  [http://127.0.0.1:8000]
-  ENGINE_METRICS_URL             its metrics URL                              [$ENGINE_URL/metrics]
-  ADMISSION_OBSERVE_MODELS       comma-separated models to gate on that engine; unset = gate nothing
-  ADMISSION_MODELS_REFRESH_SECONDS  re-read each engine's /v1/models; its names are gated too; 0 = off  [30]
-  EXTPROC_CONFIG                 YAML file mapping engines to models, with per-engine overrides
-  ADMISSION_MAX_INFLIGHT         park while running + waiting >= this          [$VLLM_MAX_NUM_SEQS or 4]
-  VLLM_MAX_NUM_SEQS              the engine's --max-num-seqs (default for the line above)  [4]
-  ADMISSION_KV_THRESHOLD         park while KV cache usage (fraction) >= this  [0.90]
-  VLLM_MAX_QUEUE_DEPTH           parked requests per engine before rejecting at once (503)  [8]
-  ADMISSION_MAX_PARK_SECONDS     longest park before 503 + Retry-After        [300]
-  ADMISSION_RETRY_AFTER_SECONDS  Retry-After on 503 answers                    [5]
-  MAX_BODY_BYTES                 request body cap; larger bodies get 413       [1048576]
-  ENGINE_POLL_INTERVAL_SECONDS   engine /metrics poll interval                 [2]
-  ENGINE_STALE_AFTER_POLLS       failed polls before failing open              [3]
-  ADMISSION_LOCAL_ACCOUNTING     count own admissions/completions between polls  [true]
-  ADMISSION_SCRAPE_GRACE_SECONDS how long after admission a scrape may still miss a request  [0.5]
-  ADMISSION_KV_BUDGET            admit only what fits the engine's free KV tokens  [true]
-  ADMISSION_KV_CAPACITY_TOKENS   KV capacity when the engine has no vllm:cache_config_info  [unset]
-  ADMISSION_ESTIMATE             counted (tokenizer, engine /tokenize, learned bytes rule) or bytes (before issue 11)  [counted]
-  ADMISSION_TOKENIZER            served model's tokenizer.json path, or qwen3, qwen2.5, llama3: exact prompt counts  [unset]
-  ADMISSION_TOKENIZE_ABOVE_BYTES prompts this large are counted by the engine's POST /tokenize; 0 = never  [8192]
-  ADMISSION_TOKENIZE_TIMEOUT_MS  longest wait for the engine's count before the bytes rule  [500]
-  ADMISSION_BYTES_PER_TOKEN      bytes rule: prompt bytes per token until one is learned  [2.5]
-  ADMISSION_LEARN_BYTES_PER_TOKEN  learn bytes per token from vllm:prompt_tokens_total  [true]
-  ADMISSION_BYTES_PER_TOKEN_MIN  lower bound of the learned bytes per token  [1.0]
-  ADMISSION_BYTES_PER_TOKEN_MAX  upper bound of the learned bytes per token  [4.0]
-  ADMISSION_TEMPLATE_TOKENS_FIXED  chat template tokens added once per request  [32]
-  ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE  chat template tokens added per message  [5]
-  ADMISSION_TEMPLATE_TOKENS_TOOLS  chat template tokens added when tools are given  [100]
-  ADMISSION_ESTIMATE_SAFETY_FACTOR  multiplier on the prompt token estimate    [1.0]
-  ADMISSION_DEFAULT_MAX_TOKENS   generation allowance when a request sets no max_tokens  [1024]
-  ADMISSION_BACKFILL             let small requests pass a KV-blocked head when it cannot delay it  [true]
-  ADMISSION_WAIT_ESTIMATES       Retry-After from the completion rate; reject at once if the wait exceeds the park cap  [true]
-  ADMISSION_ENGINE_QUEUE_SLOTS   with the budget: requests that may wait inside the engine beyond max in-flight  [1]
-  ADMISSION_GATED_PATHS          POST paths subject to admission  [every vLLM generation/pooling endpoint]
-  ADMISSION_GENERATION_RESERVATION  KV reserved for generation: max_tokens (the limit) or learned (factor x the engine's mean)  [max_tokens]
-  ADMISSION_GENERATION_FACTOR    with learned: reserve this x the engine's recent mean generation, at most the limit  [1.5]
-  ADMISSION_LEDGER               where the gates' state lives: local (this process) or redis (shared by replicas)  [local]
-  ADMISSION_REDIS_URL            redis://[:password@]host:port/db, rediss:// (TLS) or unix://; needed by redis  [unset]
-  ADMISSION_LEDGER_LEASE_SECONDS a dead replica's reservations and parked requests expire after this  [5]
-  ADMISSION_LEDGER_TIMEOUT_MS    longest wait for one Redis call before deciding alone (degraded)  [50]
-  ADMISSION_LEDGER_KEY_PREFIX    Redis key prefix, for several deployments on one Redis  [llm-admission]
-  ADMISSION_REPLICA_ID           this replica's name in the shared ledger and its logs (e.g. the pod name)  [host-pid-random]
-  EXTPROC_LISTEN                 gRPC ext_proc listen address                  [127.0.0.1:9002]
-  EXTPROC_ADMIN_LISTEN           /metrics /healthz /readyz /debug listen address  [127.0.0.1:9003]
-  EXTPROC_PROBE_LISTEN           optional second listener: /metrics /healthz /readyz only  [unset]
-  EXTPROC_MAX_STREAMS            concurrent ext_proc streams (parked + in flight)  [10000]
-  EXTPROC_LOG_LEVEL              DEBUG, INFO, WARNING or ERROR                 [INFO]
-  EXTPROC_LOG_FORMAT             json or text                                  [json]
-"""
+ENVIRONMENT_HELP = environment_help()  # one line per setting, from extproc/settings_table.py
 
 
 def _parser() -> argparse.ArgumentParser:

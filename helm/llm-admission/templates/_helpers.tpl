@@ -394,6 +394,12 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
     value: {{ $a.kvBudget | toString | quote }}
   - name: ADMISSION_ENGINE_QUEUE_SLOTS
     value: {{ int64 $a.engineQueueSlots | quote }}
+  - name: ADMISSION_WAIT_ESTIMATES
+    value: {{ $a.waitEstimates | toString | quote }}
+  - name: ADMISSION_GENERATION_RESERVATION
+    value: {{ $a.generationReservation | quote }}
+  - name: ADMISSION_GENERATION_FACTOR
+    value: {{ $a.generationFactor | toString | quote }}
   - name: ADMISSION_BACKFILL
     value: {{ $a.backfill | toString | quote }}
   - name: ADMISSION_BYTES_PER_TOKEN
