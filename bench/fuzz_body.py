@@ -38,6 +38,10 @@ class EngineFields(pydantic.BaseModel):
     stream: bool | None = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    # Read by the gateway since issue 11 (KV for n sequences). `best_of` as vLLM <= 0.18 declared
+    # it; 0.19+ ignore it, where the gateway refusing a malformed one is merely stricter.
+    n: int | None = 1
+    best_of: int | None = None
 
 
 def _depth(value: Any) -> int:
