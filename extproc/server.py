@@ -49,6 +49,7 @@ class Service:
         self.observer = EngineObserver(settings, self.admission, self.metrics)
         self.models = ModelRegistry(settings)
         self._grpc: grpc.aio.Server | None = None
+        self._servicer: ExternalProcessor | None = None
         self._health = health.aio.HealthServicer()
         self._admin: web.AppRunner | None = None
         self._probe: web.AppRunner | None = None
@@ -72,7 +73,8 @@ class Service:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ],
         )
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(s, self.admission, self.metrics, self.models), self._grpc)
+        self._servicer = ExternalProcessor(s, self.admission, self.metrics, self.models)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self._servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         try:
             self.grpc_port = self._grpc.add_insecure_port(f"{_bracket(s.grpc_host)}:{s.grpc_port}")
@@ -111,6 +113,8 @@ class Service:
         await self.observer.stop()
         await self.models.stop()
         await self.admission.stop()
+        if self._servicer is not None:
+            await self._servicer.aclose()
         if self._probe is not None:
             await self._probe.cleanup()
         if self._admin is not None:

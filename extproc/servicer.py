@@ -78,6 +78,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._admitted_responses = {e.name: self._admitted_response(e) for e in settings.engines}
         self._estimator = Estimator(settings, metrics)
 
+    async def aclose(self) -> None:
+        """Release what the servicer holds beyond its streams (the estimator's connections)."""
+        await self._estimator.aclose()
+
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         stream = _Stream()
         try:

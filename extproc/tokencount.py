@@ -275,6 +275,7 @@ class Estimator:
         self.calibration = {eng.name: Calibration(settings.bytes_per_token, e.bytes_per_token_min,
                                                   e.bytes_per_token_max, e.learn) for eng in settings.engines}
         self._unsupported_until: dict[str, float] = {}
+        self._session: aiohttp.ClientSession | None = None  # one pool of connections to the engines
         self._models: dict[str, set[str]] = {eng.name: set(eng.models) for eng in settings.engines}
         self.tokenizer: LocalTokenizer | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -326,16 +327,19 @@ class Estimator:
     async def _engine_count(self, engine: EngineConfig, path: str, body: bytes) -> int:
         request = tokenize_request(path, body)
         timeout = aiohttp.ClientTimeout(total=self._est.tokenize_timeout_seconds)
+        if self._session is None or self._session.closed:
+            # Kept for the service's life: a session per call opened a connection (and a
+            # connector) per large prompt, too slow for Envoy's message timeout under a burst.
+            self._session = aiohttp.ClientSession()
         t0 = time.perf_counter()
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                async with session.post(f"{engine.url}/tokenize", json=request) as response:
-                    if response.status in (404, 405):
-                        self._unsupported_until[engine.name] = time.monotonic() + UNSUPPORTED_RETRY_SECONDS
-                        raise CountError(f"the engine has no /tokenize (HTTP {response.status})")
-                    if response.status != 200:
-                        raise CountError(f"HTTP {response.status}: {(await response.text())[:200]}")
-                    answer = await response.json(content_type=None)
+            async with self._session.post(f"{engine.url}/tokenize", json=request, timeout=timeout) as response:
+                if response.status in (404, 405):
+                    self._unsupported_until[engine.name] = time.monotonic() + UNSUPPORTED_RETRY_SECONDS
+                    raise CountError(f"the engine has no /tokenize (HTTP {response.status})")
+                if response.status != 200:
+                    raise CountError(f"HTTP {response.status}: {(await response.text())[:200]}")
+                answer = await response.json(content_type=None)
         except asyncio.TimeoutError:
             raise CountError(f"no answer within {self._est.tokenize_timeout_seconds * 1000:g} ms") from None
         except (aiohttp.ClientError, ValueError) as exc:
@@ -346,6 +350,14 @@ class Estimator:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise CountError("the answer has no count")
         return count
+
+    async def aclose(self) -> None:
+        """Close the connections to the engines' /tokenize and the counting thread (at shutdown)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     # --- calibration feed ----------------------------------------------------------------------
 

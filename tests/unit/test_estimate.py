@@ -202,11 +202,24 @@ def sim_app(tokenizer: str = "qwen3") -> web.Application:
     return create_app(SimConfig(port=0, scheduler=sched, tokenizer=tokenizer))
 
 
+_made: list[Estimator] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_estimators() -> Any:
+    """Each estimator keeps its connections to the engine for its life: close them, as the service does."""
+    yield
+    while _made:
+        await _made.pop().aclose()
+
+
 def estimator(url: str, **env: str) -> tuple[Estimator, Metrics]:
     settings = load_settings({"ENGINE_URL": url, "ADMISSION_OBSERVE_MODELS": "sim-model", **env})
     metrics = Metrics(CollectorRegistry())
     metrics.initialise(settings)
-    return Estimator(settings, metrics), metrics
+    est = Estimator(settings, metrics)
+    _made.append(est)
+    return est, metrics
 
 
 async def estimate(est: Estimator, body: bytes, path: str = CHAT) -> Any:
