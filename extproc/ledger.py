@@ -211,7 +211,6 @@ class RedisLedger:
         self._changed: Callable[[str], None] = lambda engine: None
         self._tasks: list[asyncio.Task[None]] = []
         self._degraded_event = asyncio.Event()
-        self._expired: list[Ticket] = []  # dropped by the event being committed
         for name in limits:
             metrics.degraded.labels(name).set(0)
             metrics.conflicts.labels(name)
@@ -290,7 +289,7 @@ class RedisLedger:
         while True:
             gate, verdicts = self._view(engine)
             shared.view = shared.verdicts = None  # mutated below: re-parsed unless the commit lands
-            decisions, verdicts, cleared = self._run(engine, gate, verdicts, event, stale_verdicts)
+            decisions, verdicts, cleared, expired = self._run(engine, gate, verdicts, event, stale_verdicts)
             state = _dump(gate, verdicts)
             if state == shared.state:
                 # Nothing to write, but the decisions were made on this replica's last view: they
@@ -306,11 +305,11 @@ class RedisLedger:
             ok, version, current = await self._call("commit", self._commit(
                 keys=[self._key(engine)], args=[shared.version, state, self._channel(engine)]))
             if int(ok) == 1:
-                if self._expired:
-                    self._metrics.lease_expiries.labels(engine).inc(len(self._expired))
+                if expired:  # counted once the commit lands: an event may run more than once
+                    self._metrics.lease_expiries.labels(engine).inc(len(expired))
                     log.warning("dropped tickets whose replica stopped renewing its lease",
-                                extra={"engine": engine, "tickets": len(self._expired),
-                                       "replicas": sorted({t.owner for t in self._expired})})
+                                extra={"engine": engine, "tickets": len(expired),
+                                       "replicas": sorted({t.owner for t in expired})})
                 self._delivered -= cleared
                 shared.version, shared.state, shared.view, shared.verdicts = str(version), state, gate, verdicts
                 if self._local is not None:  # degraded while this commit was in flight: keep its effect
@@ -323,14 +322,13 @@ class RedisLedger:
             self._take(engine, str(version), current)
 
     def _run(self, engine: str, gate: EngineGate, verdicts: dict[str, Any], event: Event,
-             stale_verdicts: bool = False) -> tuple[list[Decision], dict[str, Any], set[int]]:
+             stale_verdicts: bool = False) -> tuple[list[Decision], dict[str, Any], set[int], list[Ticket]]:
         """Apply `event` to `gate` with the ledger's bookkeeping. Returns the decisions about this
-        replica's tickets (with the verdicts others left for it), the verdicts to store, and the
-        ids of this replica's verdicts cleared from them."""
+        replica's tickets (with the verdicts others left for it), the verdicts to store, the ids of
+        this replica's verdicts cleared from them, and the tickets dropped for an expired lease."""
         now = self._clock()
         verdicts = dict(verdicts)
         expired, released = gate.purge_expired(now)
-        self._expired = expired  # counted once the commit lands (an event may run more than once)
         mine: list[Decision] = []
         cleared: set[int] = set()
         for key, v in list(verdicts.items()):
@@ -348,7 +346,7 @@ class RedisLedger:
                 verdicts[str(decision.ticket.id)] = {
                     "t": decision.ticket.to_state(), "o": decision.outcome.value, "r": decision.retry_after,
                     "w": decision.ticket.owner, "x": now + 2 * self._lease}
-        return mine, verdicts, cleared
+        return mine, verdicts, cleared, expired
 
     async def _read(self, engine: str) -> None:
         version, state = await self._call("read", self._client.hmget(self._key(engine), "v", "state"))
