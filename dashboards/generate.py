@@ -330,7 +330,7 @@ def build() -> dict[str, object]:
             "Ledger degraded: replicas deciding alone",
             "Replicas whose Redis calls fail or take longer than ADMISSION_LEDGER_TIMEOUT_MS, per engine: "
             "each decides alone from its last view (the soft budget of a local ledger) until Redis "
-            "answers. Alert AdmissionLedgerDegraded fires after 1 minute. Also the transitions into "
+            "answers. Alert LLMAdmissionLedgerDegraded fires after 1 minute. Also the transitions into "
             "degraded mode, all engines together. Empty unless the ledger is redis.",
             "short",
             query("A", f"sum by (engine) (admission_ledger_degraded{{{GW}}})", "deciding alone: {{engine}}"),
@@ -359,7 +359,7 @@ def build() -> dict[str, object]:
             "Ledger lease expiries",
             "Requests dropped from the shared state because their replica stopped renewing its lease: "
             "it died (SIGKILL, OOM, node lost) or lost Redis. Their capacity returned to the other "
-            "replicas. Alert AdmissionLedgerLeasesExpiring fires on any.",
+            "replicas. Alert LLMAdmissionLedgerLeasesExpiring fires on any.",
             "short",
             query("A", f"sum by (engine) (increase(admission_ledger_lease_expiries_total{{{GW}}}[{RATE}]))",
                   "expired: {{engine}}"),

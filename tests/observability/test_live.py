@@ -259,10 +259,10 @@ def test_every_dashboard_query_has_data_and_the_alerts_fire_on_a_live_stack(
 
     # Stop Redis: the next decision cannot reach the shared ledger, the replica decides alone
     # (the request is still served) and the ledger-degraded alert's expression turns true.
-    assert prometheus.query(rules["AdmissionLedgerDegraded"]) == []
+    assert prometheus.query(rules["LLMAdmissionLedgerDegraded"]) == []
     redis.stop()
     assert chat(stack)[0] == 200
-    ledger = wait_for(prometheus, rules["AdmissionLedgerDegraded"], "the ledger-degraded alert expression")
+    ledger = wait_for(prometheus, rules["LLMAdmissionLedgerDegraded"], "the ledger-degraded alert expression")
     assert [(s["metric"]["engine"], s["metric"]["job"], s["value"][1]) for s in ledger] == [("default", "llm-admission", "1")]
 
     # Break the engine's metrics: the degraded alert's expression turns true, and Prometheus
