@@ -278,7 +278,13 @@ def test_prestop_on_an_idle_pod_keeps_serving_new_connections_for_the_minimum_dr
     started = time.monotonic()
     hook = subprocess.Popen(["/bin/bash", str(prestop)])
     try:
-        assert _get_models(pod) == (200, "close")  # served while draining; told to close
+        # Served throughout; told to close once the hook has started Envoy's drain (the hook is a
+        # separate process: poll until it has, well within the minimum drain).
+        deadline = started + minimum
+        while (answer := _get_models(pod)) != (200, "close"):
+            assert answer[0] == 200, answer
+            assert time.monotonic() < deadline, "never told to close during the drain"
+            time.sleep(0.05)
         assert pod.chat() == 200
         assert hook.wait(timeout=30) == 0
         assert time.monotonic() - started >= minimum
