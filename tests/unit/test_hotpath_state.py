@@ -15,24 +15,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
-from extproc.admission import Admission
-from extproc.config import load_settings
-from extproc.gate import EngineSnapshot
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
-from extproc.servicer import ExternalProcessor
 
-from .test_park_race import CannedStream, _request
-
-ENV = {"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_INFLIGHT": "1", "ADMISSION_KV_BUDGET": "false"}
-
-
-async def _setup() -> tuple[Admission, Metrics, ExternalProcessor]:
-    settings = load_settings(ENV)
-    metrics = Metrics(CollectorRegistry())
-    admission = Admission(settings, metrics)
-    await admission.observe("default", EngineSnapshot(running=0, waiting=0, kv_usage=0.0, scrape_started=admission.now()))
-    return admission, metrics, ExternalProcessor(settings, admission, metrics)
+from .test_park_race import CannedStream, _request, _setup
 
 
 def _frame_locals(task: asyncio.Task[Any]) -> list[object]:
