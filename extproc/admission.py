@@ -30,9 +30,6 @@ from .outcomes import Outcome
 
 log = logging.getLogger("extproc.admission")
 
-#: Extra time Envoy waits beyond the park cap, so the 503 at the cap always beats Envoy's timeout.
-PARK_TIMEOUT_MARGIN_SECONDS = 5.0
-
 
 #: Decisions kept per engine for the status page and /debug/engines.
 RECENT_DECISIONS = 50

@@ -55,10 +55,17 @@ from typing import Any
 
 import yaml
 
-from .admission import PARK_TIMEOUT_MARGIN_SECONDS
 from .config import EngineConfig, Settings
+from .contract import (
+    ESCAPED_SEPARATOR_REGEX,
+    OUTCOME_HEADER,
+    PARK_TIMEOUT_MARGIN_SECONDS,
+    ROUTE_HEADER,
+    SERVICE_REPLY_DETAILS_PREFIX,
+    STRIPPED_HEADER_PREFIX,
+    UNGATED_CLUSTER_SUFFIX,
+)
 from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
-from .servicer import OUTCOME_HEADER, ROUTE_HEADER
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
 #: Envoy's container memory limit when none is given (the chart's default envoy.resources.limits.memory).
@@ -73,11 +80,6 @@ BUFFERS_PER_CONNECTION = 2
 MIN_DOWNSTREAM_CONNECTIONS = 16
 _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-#: Request headers with this prefix are removed as the request enters Envoy (client-set ones).
-STRIPPED_HEADER_PREFIX = "x-admission-"
-#: Paths the engine's router could decode into a gated path (RE2, whole path, query removed).
-ESCAPED_SEPARATOR_REGEX = ".*%(2[fF]|5[cC]).*"
-UNGATED_CLUSTER_SUFFIX = "_ungated"
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -216,9 +218,6 @@ def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
     return routes
 
 
-#: The service's own answers (ext_proc ImmediateResponse) are Envoy local replies too, with the
-#: response code details `admission_<outcome>`: the first mapper leaves them exactly as they are.
-SERVICE_REPLY_DETAILS_PREFIX = "admission_"
 _CEL_FILTER = "envoy.access_loggers.extension_filters.cel"
 _CEL_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
 

@@ -29,9 +29,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
-from .admission import PARK_TIMEOUT_MARGIN_SECONDS, Admission
+from .admission import Admission
 from .bodyscan import BodyError, BodyFacts
 from .config import EngineConfig, Settings
+from .contract import OUTCOME_HEADER, PARK_TIMEOUT_MARGIN_SECONDS, ROUTE_HEADER
 from .endpoints import PathRules, Route, body_facts, endpoint_for
 from .gate import Decision, Ticket
 from .metrics import Metrics
@@ -40,9 +41,6 @@ from .outcomes import REJECTIONS, Outcome, error_body
 from .tokencount import Estimator
 
 log = logging.getLogger("extproc.servicer")
-
-ROUTE_HEADER = "x-admission-engine"
-OUTCOME_HEADER = "x-admission-outcome"
 
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())

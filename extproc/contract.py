@@ -1,0 +1,24 @@
+"""The contract between the generated Envoy config and the service, in one place.
+
+Both `envoyconf` (which writes the Envoy config) and the servicer (which answers Envoy's ext_proc
+stream) import these names; a value changed here changes both sides together.
+"""
+
+from __future__ import annotations
+
+#: The engine the service chose for an admitted request; Envoy routes on it (exact match).
+ROUTE_HEADER = "x-admission-engine"
+#: The outcome of every answer the gateway gives itself (`outcomes.Outcome` values).
+OUTCOME_HEADER = "x-admission-outcome"
+#: Request headers with this prefix are removed as the request enters Envoy (client-set ones), so
+#: a client can neither pick an engine nor pose as the service's answer.
+STRIPPED_HEADER_PREFIX = "x-admission-"
+#: The service's own answers (ext_proc ImmediateResponse) carry the response code details
+#: `admission_<outcome>`; the local reply config leaves them exactly as they are.
+SERVICE_REPLY_DETAILS_PREFIX = "admission_"
+#: Paths the engine's router could decode into a gated path (RE2, whole path, query removed).
+ESCAPED_SEPARATOR_REGEX = ".*%(2[fF]|5[cC]).*"
+#: The cluster for ungated paths of the first engine is its cluster name plus this suffix.
+UNGATED_CLUSTER_SUFFIX = "_ungated"
+#: Extra time Envoy waits beyond the park cap, so the 503 at the cap always beats Envoy's timeout.
+PARK_TIMEOUT_MARGIN_SECONDS = 5.0
