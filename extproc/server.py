@@ -23,7 +23,6 @@ from collections.abc import Callable
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from .adminhttp import make_app
@@ -34,6 +33,7 @@ from .metrics import Metrics
 from .models import ModelRegistry
 from .observer import EngineObserver
 from .servicer import ExternalProcessor
+from .wire import pb_grpc
 
 log = logging.getLogger("extproc.server")
 

@@ -22,11 +22,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
 from .admission import Admission
@@ -39,6 +34,7 @@ from .metrics import Metrics
 from .models import ModelRegistry
 from .outcomes import REJECTIONS, Outcome, error_body
 from .tokencount import Estimator
+from .wire import base_pb2, http_status_pb2, pb, pb_grpc, processing_mode_pb2
 
 log = logging.getLogger("extproc.servicer")
 

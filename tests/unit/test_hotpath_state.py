@@ -12,11 +12,11 @@ import asyncio
 from typing import Any
 
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
+from extproc.wire import pb
 
 from .test_park_race import CannedStream, _request, _setup
 

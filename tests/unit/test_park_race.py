@@ -13,8 +13,6 @@ import json
 from collections.abc import Callable
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from extproc.admission import Admission
@@ -23,6 +21,7 @@ from extproc.gate import EngineSnapshot
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 from extproc.servicer import ExternalProcessor
+from extproc.wire import base_pb2, pb
 
 ENV = {"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_INFLIGHT": "1", "ADMISSION_KV_BUDGET": "false"}
 
