@@ -72,7 +72,7 @@ Head-of-line policy: when the head is blocked by the KV budget alone (it has a s
 enough free KV), a later request may be admitted ahead of it (backfill) if it fits now AND the
 head would still fit once the largest reservation in flight is released, with the backfilled
 request still running: so backfill never uses the KV the head is waiting for. The head's own
-wait is bounded by the park cap; backfill stops once it has waited `backfill_patience` of it.
+wait is bounded by the park cap; backfill stops once it has waited `BACKFILL_PATIENCE` of it.
 
 Shared ledger (several replicas in front of one engine, `extproc/ledger.py`): the whole state of
 this class serialises (`to_state` / `from_state`), and a store that runs every event as an atomic
@@ -114,26 +114,30 @@ RETRY_AFTER_MIN_SECONDS = 1
 RETRY_AFTER_MAX_SECONDS = 60
 RATE_WINDOW = 32  # completions kept to measure the completion rate
 GENERATION_WINDOW = 32  # finished requests the generation mean is smoothed over
+#: Fraction of the park cap after which a KV-blocked head is no longer bypassed by backfill.
+BACKFILL_PATIENCE = 0.5
 
 
 @dataclass(frozen=True)
 class GateLimits:
+    """One engine's limits, built from the validated settings (`admission.gate_limits`); no defaults
+    here, so the settings table is the one place a default lives."""
+
     max_inflight: int
     kv_threshold: float
     max_queue_depth: int
     max_park_seconds: float
-    stale_after_polls: int = 3
-    local_accounting: bool = True
-    scrape_grace_seconds: float = 0.5
-    kv_budget: bool = False
-    kv_capacity_override: int | None = None  # tokens, when the engine does not say
-    backfill: bool = True
-    backfill_patience: float = 0.5  # fraction of the park cap after which the head is not bypassed
-    retry_after_seconds: int = 5  # fallback when no completion rate is known yet
-    engine_queue_slots: int = 0  # with the budget: requests allowed to wait inside the engine
-    wait_estimates: bool = True  # Retry-After from the completion rate; early rejection
-    generation_reservation: str = "max_tokens"  # or "learned": factor x the engine's mean generation
-    generation_factor: float = 1.5
+    stale_after_polls: int
+    local_accounting: bool
+    scrape_grace_seconds: float
+    kv_budget: bool
+    kv_capacity_override: int | None  # tokens, when the engine does not say
+    backfill: bool
+    retry_after_seconds: int  # fallback when no completion rate is known yet
+    engine_queue_slots: int  # with the budget: requests allowed to wait inside the engine
+    wait_estimates: bool  # Retry-After from the completion rate; early rejection
+    generation_reservation: str  # "max_tokens", or "learned": factor x the engine's mean generation
+    generation_factor: float
 
 
 @dataclass(frozen=True)
@@ -616,7 +620,7 @@ class EngineGate:
         available = self.available_tokens()
         if available is None or not self._slot_open() or self.cost(head) <= available:
             return False  # the head is not blocked by KV alone: plain FIFO
-        if now - head.arrived >= self.limits.backfill_patience * self.limits.max_park_seconds:
+        if now - head.arrived >= BACKFILL_PATIENCE * self.limits.max_park_seconds:
             return False
         cost = self.cost(ticket)
         largest = max((t.reserved for t in self._inflight), default=0)

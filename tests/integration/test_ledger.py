@@ -32,8 +32,10 @@ from extproc.ledger import LedgerMetrics, RedisLedger
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 
+from ..unit.limits import limits
+
 CAPACITY = 4_096
-LIMITS = GateLimits(max_inflight=3, kv_threshold=0.95, max_queue_depth=4, max_park_seconds=10.0,
+LIMITS = limits(max_inflight=3, kv_threshold=0.95, max_queue_depth=4, max_park_seconds=10.0,
                     kv_budget=True, engine_queue_slots=1, backfill=True)
 REPLICAS = 3
 

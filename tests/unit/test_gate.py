@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,8 +11,10 @@ from hypothesis import strategies as st
 from extproc.gate import EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket, TicketState
 from extproc.outcomes import Outcome
 
-LIMITS = GateLimits(max_inflight=4, kv_threshold=0.9, max_queue_depth=3, max_park_seconds=10.0,
-                    stale_after_polls=3, local_accounting=True, scrape_grace_seconds=0.5)
+from .limits import COUNT_ONLY, limits
+
+LIMITS = limits(max_inflight=4, kv_threshold=0.9, max_queue_depth=3, max_park_seconds=10.0,
+                stale_after_polls=3, local_accounting=True, scrape_grace_seconds=0.5, **COUNT_ONLY)
 
 
 def snap(running: int = 0, waiting: int = 0, kv: float = 0.0, at: float = 0.0) -> EngineSnapshot:
@@ -74,7 +78,7 @@ def test_queue_overflow_is_rejected_at_once() -> None:
 
 
 def test_zero_queue_depth_rejects_instead_of_parking() -> None:
-    gate = gate_with(GateLimits(4, 0.9, 0, 10.0), running=4)
+    gate = gate_with(replace(LIMITS, max_queue_depth=0), running=4)
     assert arrive(gate, 1.0)[1] is Outcome.QUEUE_FULL
 
 
@@ -109,8 +113,7 @@ def test_between_poll_accounting_counts_own_admissions_until_a_scrape_can_see_th
 
 
 def test_reference_mode_admits_everything_between_polls_from_the_last_snapshot() -> None:
-    limits = GateLimits(4, 0.9, 8, 10.0, local_accounting=False)
-    gate = gate_with(limits, running=2)
+    gate = gate_with(replace(LIMITS, max_queue_depth=8, local_accounting=False), running=2)
     assert [arrive(gate, 1.0 + i / 10)[1] for i in range(5)] == [Outcome.ADMITTED] * 5
 
 
@@ -137,8 +140,7 @@ def test_local_completion_wakes_the_queue_head_at_once() -> None:
 
 
 def test_reference_mode_waits_for_the_next_poll_after_a_local_completion() -> None:
-    limits = GateLimits(4, 0.9, 8, 10.0, local_accounting=False)
-    gate = gate_with(limits, running=0)
+    gate = gate_with(replace(LIMITS, max_queue_depth=8, local_accounting=False), running=0)
     mine = arrive(gate, 1.0)[0]
     gate.observe(snap(running=4, at=3.0), now=3.1)
     arrive(gate, 4.0)
@@ -220,9 +222,8 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops=ops, local=st.booleans(), depth=st.integers(0, 4), grace=st.sampled_from([0.0, 0.5]))
 def test_gate_invariants_hold_under_any_interleaving(ops: list, local: bool, depth: int, grace: float) -> None:
-    limits = GateLimits(max_inflight=3, kv_threshold=0.9, max_queue_depth=depth, max_park_seconds=5.0,
-                        stale_after_polls=2, local_accounting=local, scrape_grace_seconds=grace)
-    gate = EngineGate(limits)
+    gate = EngineGate(limits(max_inflight=3, kv_threshold=0.9, max_queue_depth=depth, max_park_seconds=5.0,
+                             stale_after_polls=2, local_accounting=local, scrape_grace_seconds=grace, **COUNT_ONLY))
     now = 0.0
     tickets: list[Ticket] = []
     final: dict[int, list[Outcome]] = {}
@@ -273,7 +274,7 @@ def test_gate_invariants_hold_under_any_interleaving(ops: list, local: bool, dep
         # Counted independently of the gate's own arithmetic: between two polls, the gate admits
         # no more than the snapshot's free slots plus the slots its own completions freed.
         if local:
-            assert admits_since_snap <= max(0, limits.max_inflight - snap_load) + finishes_since_snap
+            assert admits_since_snap <= max(0, gate.limits.max_inflight - snap_load) + finishes_since_snap
 
         # The park is bounded in length and in time.
         assert gate.queue_depth <= depth
@@ -284,7 +285,7 @@ def test_gate_invariants_hold_under_any_interleaving(ops: list, local: bool, dep
         # Admissions under a fresh snapshot never push the believed load past the limit (local accounting).
         if local and admitted_now and gate.state is EngineState.FRESH:
             load = gate.effective_load()
-            assert load is not None and load <= limits.max_inflight
+            assert load is not None and load <= gate.limits.max_inflight
         # The local ledger holds exactly the counted admissions whose stream is open.
         assert gate.inflight == sum(1 for t in tickets if t.counted and t.state is TicketState.ADMITTED)
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.gate import EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket, TicketState
 from extproc.outcomes import Outcome
 
+from .limits import limits
+
 CAPACITY = 152_432  # 9527 blocks x 16 tokens: the reference engine
 BIG, SMALL = 65_536 + 256, 8_192 + 128
-LIMITS = GateLimits(max_inflight=4, kv_threshold=0.9, max_queue_depth=8, max_park_seconds=120.0,
-                    kv_budget=True, scrape_grace_seconds=0.5)
+LIMITS = limits(max_inflight=4, kv_threshold=0.9, max_queue_depth=8, max_park_seconds=120.0,
+                kv_budget=True, engine_queue_slots=0, scrape_grace_seconds=0.5)
 
 
 def snap(kv: float = 0.0, running: int = 0, waiting: int = 0, at: float = 0.0,
@@ -77,8 +81,7 @@ def test_a_request_larger_than_the_whole_cache_is_rejected_at_once() -> None:
 
 
 def test_configured_capacity_is_used_when_the_engine_does_not_say() -> None:
-    limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=True, kv_capacity_override=100_000)
-    gate = gate_with(limits, capacity=None)
+    gate = gate_with(replace(LIMITS, kv_capacity_override=100_000), capacity=None)
     assert gate.capacity_tokens == 100_000
     assert arrive(gate, 1.0, BIG)[1] is Outcome.ADMITTED
     assert arrive(gate, 1.1, BIG)[1] is Outcome.PARKED
@@ -91,8 +94,7 @@ def test_without_a_known_capacity_only_the_reference_gates_apply() -> None:
 
 
 def test_reference_mode_has_no_budget() -> None:
-    limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=True, local_accounting=False)
-    gate = gate_with(limits)
+    gate = gate_with(replace(LIMITS, local_accounting=False))
     assert [arrive(gate, 1.0, BIG)[1] for _ in range(3)] == [Outcome.ADMITTED] * 3
 
 
@@ -152,8 +154,7 @@ def test_retry_after_uses_the_measured_completion_rate_and_is_clamped() -> None:
 
 
 def test_expected_wait_beyond_the_park_cap_is_rejected_at_once_with_that_retry_after() -> None:
-    limits = GateLimits(4, 0.9, 100, 10.0, kv_budget=True)
-    gate = gate_with(limits)
+    gate = gate_with(replace(LIMITS, max_queue_depth=100, max_park_seconds=10.0))
     tickets = [arrive(gate, 0.0, 16)[0] for _ in range(4)]
     for i, t in enumerate(tickets):
         gate.finish(t, now=1.0 + i)  # one completion a second
@@ -192,9 +193,9 @@ budget_ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops=budget_ops, backfill=st.booleans())
 def test_budget_never_reserves_more_than_capacity_under_any_interleaving(ops: list, backfill: bool) -> None:
-    limits = GateLimits(max_inflight=16, kv_threshold=1.0, max_queue_depth=6, max_park_seconds=60.0,
-                        stale_after_polls=2, kv_budget=True, backfill=backfill, scrape_grace_seconds=0.5)
-    gate = EngineGate(limits)
+    gate = EngineGate(limits(max_inflight=16, kv_threshold=1.0, max_queue_depth=6, max_park_seconds=60.0,
+                             stale_after_polls=2, kv_budget=True, engine_queue_slots=0, backfill=backfill,
+                             scrape_grace_seconds=0.5))
     now = 0.0
     tickets: list[Ticket] = []
     for op, arg in ops:
@@ -221,21 +222,19 @@ def test_budget_never_reserves_more_than_capacity_under_any_interleaving(ops: li
 
 
 def test_engine_queue_slots_let_one_request_wait_inside_the_engine_with_the_budget() -> None:
-    limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=True, engine_queue_slots=1)
-    gate = gate_with(limits, running=4)
+    gate = gate_with(replace(LIMITS, engine_queue_slots=1), running=4)
     assert arrive(gate, 1.0, SMALL)[1] is Outcome.ADMITTED  # waits in the engine: its KV is reserved
     assert arrive(gate, 1.1, SMALL)[1] is Outcome.PARKED
 
 
 def test_engine_queue_slots_do_nothing_without_the_budget() -> None:
-    limits = GateLimits(4, 0.9, 8, 120.0, kv_budget=False, engine_queue_slots=1)
-    gate = gate_with(limits, running=4)
+    gate = gate_with(replace(LIMITS, kv_budget=False, engine_queue_slots=1), running=4)
     assert arrive(gate, 1.0, SMALL)[1] is Outcome.PARKED
 
 
 def test_without_wait_estimates_retry_after_is_fixed_and_nothing_is_rejected_early() -> None:
-    limits = GateLimits(4, 0.9, 100, 10.0, kv_budget=True, wait_estimates=False, retry_after_seconds=5)
-    gate = gate_with(limits)
+    gate = gate_with(replace(LIMITS, max_queue_depth=100, max_park_seconds=10.0, wait_estimates=False,
+                             retry_after_seconds=5))
     tickets = [arrive(gate, 0.0, 16)[0] for _ in range(4)]
     for i, t in enumerate(tickets):
         gate.finish(t, now=1.0 + i)

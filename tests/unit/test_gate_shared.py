@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from extproc.gate import EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
 from extproc.outcomes import Outcome
 
-LIMITS = GateLimits(max_inflight=3, kv_threshold=0.95, max_queue_depth=4, max_park_seconds=10.0,
+from .limits import limits
+
+LIMITS = limits(max_inflight=3, kv_threshold=0.95, max_queue_depth=4, max_park_seconds=10.0,
                     kv_budget=True, engine_queue_slots=1)
 CAPACITY = 4_096
 

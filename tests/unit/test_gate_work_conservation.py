@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from extproc.gate import EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
 from extproc.outcomes import Outcome
 
+from .limits import COUNT_ONLY, limits
+
 CAPACITY = 4_096
 BLOCK = 16
 GRACE = 0.5
@@ -67,7 +69,7 @@ class Step:
 
 
 def drive(ops: list, budget: bool, lag: Callable[[Ticket], float], with_others: bool) -> list[Step]:
-    gate = EngineGate(GateLimits(
+    gate = EngineGate(limits(
         max_inflight=3, kv_threshold=1.0, max_queue_depth=1_000, max_park_seconds=1e9,
         scrape_grace_seconds=GRACE, kv_budget=budget, engine_queue_slots=0, wait_estimates=False, backfill=False))
     engine = Engine(gate, lag)
@@ -171,8 +173,8 @@ def test_with_callers_that_bypass_the_gate_a_finish_still_frees_its_slot_at_once
 
 
 def test_a_steady_bypassing_load_is_not_hidden_by_a_request_of_ours_the_scrape_missed() -> None:
-    gate = EngineGate(GateLimits(max_inflight=4, kv_threshold=0.9, max_queue_depth=8, max_park_seconds=10.0,
-                                 scrape_grace_seconds=GRACE))
+    gate = EngineGate(limits(max_inflight=4, kv_threshold=0.9, max_queue_depth=8, max_park_seconds=10.0,
+                             scrape_grace_seconds=GRACE, **COUNT_ONLY))
     gate.observe(EngineSnapshot(3, 0, 0.0, scrape_started=0.0), now=0.0)  # three callers bypass the gate
     gate.arrive(Ticket(model="m", arrived=1.0), 1.0)
     gate.observe(EngineSnapshot(3, 0, 0.0, scrape_started=1.2), now=1.3)  # ours not shown yet, or one left
@@ -183,8 +185,8 @@ def test_a_steady_bypassing_load_is_not_hidden_by_a_request_of_ours_the_scrape_m
 def test_requests_admitted_within_the_grace_free_their_slots_when_they_finish() -> None:
     """The defect measured with aiperf: short requests admitted just before a scrape kept their
     slots until the next scrape, and the gate stood closed for ~2 s at a time."""
-    gate = EngineGate(GateLimits(max_inflight=3, kv_threshold=0.9, max_queue_depth=8, max_park_seconds=10.0,
-                                 scrape_grace_seconds=GRACE))
+    gate = EngineGate(limits(max_inflight=3, kv_threshold=0.9, max_queue_depth=8, max_park_seconds=10.0,
+                             scrape_grace_seconds=GRACE, **COUNT_ONLY))
     gate.observe(EngineSnapshot(0, 0, 0.0, scrape_started=0.0), now=0.0)
     mine = [gate.arrive(Ticket(model="m", arrived=9.8), 9.8).ticket for _ in range(3)]
     # The scrape began 0.2 s after the admissions and saw all three running.
