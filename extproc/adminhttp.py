@@ -164,7 +164,10 @@ def engine_status(engine: EngineConfig, gate: EngineGate, admission: Admission, 
     }
 
 
-def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: Callable[[], bool]) -> web.Application:
+def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: Callable[[], bool],
+             dialect: Callable[[str], str | None] = lambda _engine: None) -> web.Application:
+    """`dialect(engine)`: the metrics dialect it is read with (None: not detected yet)."""
+
     async def metrics_handler(_: web.Request) -> web.Response:
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -185,6 +188,7 @@ def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: 
             doc[engine.name] = {
                 "state": gate.state.value,
                 "models": list(engine.models),
+                "dialect": dialect(engine.name),
                 "queue_depth": gate.queue_depth,
                 "inflight": gate.inflight,
                 "effective_load": gate.effective_load(),
@@ -208,7 +212,8 @@ def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: 
             "version": __version__, "now": time.time(), "uptime_s": round(time.time() - started, 3),
             "ready": ready(), "history_interval_s": HISTORY_INTERVAL_SECONDS,
             "engines": [
-                {**engine_status(e, admission.gate(e.name), admission, settings), "history": history.samples(e.name)}
+                {**engine_status(e, admission.gate(e.name), admission, settings), "dialect": dialect(e.name),
+                 "history": history.samples(e.name)}
                 for e in settings.engines
             ],
         }

@@ -1,7 +1,7 @@
 """`extproc check URL...`: scrape an engine's metrics once and say what the service would make of them.
 
-For each engine: whether it answers, which metrics dialect it speaks and what that suggests about
-its version, which series admission needs were found or are missing, the numbers the service would
+For each engine: whether it answers, which metrics dialect it speaks (the configured one, else
+detected as the observer detects it) and, for vLLM, what that suggests about its version, which series admission needs were found or are missing, the numbers the service would
 parse (with the very parser the observer uses, `enginemetrics.parse_engine_metrics`), where the KV
 capacity comes from, the effective limits (the same settings loader as `extproc serve`), and what
 the gate (a real `gate.EngineGate` with those limits, fed this one scrape) would decide now for a
@@ -24,16 +24,8 @@ from typing import Any
 
 from .admission import gate_limits
 from .config import EngineConfig, Settings
-from .enginemetrics import (
-    CACHE_CONFIG,
-    KV_USAGE,
-    KV_USAGE_LEGACY,
-    RUNNING,
-    WAITING,
-    EngineGauges,
-    MetricsFormatError,
-    parse_engine_metrics,
-)
+from .dialects import AUTO, DIALECTS, VLLM, Dialect, detect
+from .enginemetrics import EngineGauges, MetricsFormatError, parse_engine_metrics
 from .gate import EngineGate, EngineSnapshot, EngineState, Ticket
 from .outcomes import Outcome
 
@@ -41,9 +33,6 @@ from .outcomes import Outcome
 PROMPT_SIZES = (1024, 8192, 65536)
 
 _SAMPLE_NAME = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)[{ ]", re.MULTILINE)
-
-#: Families other engines expose instead of vLLM's (DESIGN.md, "Other dialects").
-_DIALECTS = (("vllm", "vllm:"), ("sglang", "sglang:"), ("trtllm", "trtllm_"))
 
 
 @dataclass(frozen=True)
@@ -79,29 +68,31 @@ def scrape(url: str, timeout: float) -> Scrape:
         return Scrape(url, None, "", time.perf_counter() - started, f"unreachable: {reason}")
 
 
-def _dialect(names: set[str]) -> str:
-    for dialect, prefix in _DIALECTS:
-        if any(n.startswith(prefix) for n in names):
-            return dialect
-    return "unknown"
+def _dialect(engine: EngineConfig, text: str, names: set[str]) -> Dialect | None:
+    """The configured dialect, else the one detected; else the one any of whose families appear."""
+    if engine.dialect != AUTO:
+        return DIALECTS[engine.dialect]
+    return detect(text) or next((d for d in DIALECTS.values() if names & set(d.samples)), None)
 
 
 def _apparent_version(names: set[str]) -> str:
     """What the families present say about the vLLM version (vLLM exposes no version series)."""
-    if KV_USAGE not in names and KV_USAGE_LEGACY in names:
-        return f"< 0.11 (only the legacy {KV_USAGE_LEGACY})"
-    if KV_USAGE not in names:
+    kv, legacy = VLLM.kv_usage, VLLM.kv_usage_fallback
+    if kv not in names and legacy in names:
+        return f"< 0.11 (only the legacy {legacy})"
+    if kv not in names:
         return "unknown"
-    if "vllm:num_requests_waiting_by_reason" in names or "vllm:engine_sleep_state" in names:
-        return ">= 0.11, recent (vllm:num_requests_waiting_by_reason / vllm:engine_sleep_state, as in 0.33)"
-    return ">= 0.11 (vllm:kv_cache_usage_perc; none of the families newer releases add)"
+    recent = [n for n in VLLM.recent_families if n in names]
+    if recent:
+        return f">= 0.11, recent ({' / '.join(recent)}, as in 0.33)"
+    return f">= 0.11 ({kv}; none of the families newer releases add)"
 
 
-def _series(names: set[str]) -> list[dict[str, Any]]:
-    kv = KV_USAGE if KV_USAGE in names or KV_USAGE_LEGACY not in names else KV_USAGE_LEGACY
-    rows = [(RUNNING, True, "running requests"), (WAITING, True, "waiting requests"),
-            (kv, True, "KV cache usage (fraction)"),
-            (CACHE_CONFIG, False, "KV capacity for the token budget (else kv_capacity_tokens)")]
+def _series(names: set[str], d: Dialect) -> list[dict[str, Any]]:
+    kv = d.kv_usage if d.kv_usage in names or d.kv_usage_fallback not in names else d.kv_usage_fallback
+    rows = [(d.running, True, "running requests"), (d.waiting, True, "waiting requests"),
+            (kv, True, "KV cache usage (fraction)")]
+    rows += [(name, False, "KV capacity for the token budget (else kv_capacity_tokens)") for name in d.capacity_families]
     return [{"name": name, "required": required, "found": name in names, "for": what}
             for name, required, what in rows]
 
@@ -134,7 +125,7 @@ def _limits(settings: Settings, engine: EngineConfig) -> dict[str, Any]:
 
 def _capacity(gauges: EngineGauges | None, engine: EngineConfig) -> tuple[int | None, str]:
     if gauges is not None and gauges.capacity_tokens:
-        return gauges.capacity_tokens, f"{CACHE_CONFIG} (num_gpu_blocks x block_size)"
+        return gauges.capacity_tokens, DIALECTS[gauges.dialect].capacity_source()
     if engine.limits.kv_capacity_tokens:
         return engine.limits.kv_capacity_tokens, "configured (ADMISSION_KV_CAPACITY_TOKENS / kv_capacity_tokens)"
     return None, "the KV-token budget is inactive, only the reference gates apply"
@@ -197,17 +188,19 @@ def check_engine(settings: Settings, url: str, timeout: float) -> dict[str, Any]
         report["problems"].append(got.error)
     else:
         names = set(_SAMPLE_NAME.findall(got.text))
-        report["dialect"] = _dialect(names)
-        report["apparent_version"] = _apparent_version(names) if report["dialect"] == "vllm" else None
-        report["series"] = _series(names)
-        if report["dialect"] in ("sglang", "trtllm"):
-            report["problems"].append(f"{report['dialect']} metrics: the service reads vLLM's gauges only")
+        dialect = _dialect(engine, got.text, names)
+        report["dialect"] = dialect.name if dialect else "unknown"
+        report["dialect_from"] = "configured" if engine.dialect != AUTO else "detected"
+        report["apparent_version"] = _apparent_version(names) if dialect is VLLM else None
+        report["series"] = _series(names, dialect or VLLM)
+        if dialect is None:
+            report["problems"].append(f"no known metrics dialect: none of {', '.join(d.running for d in DIALECTS.values())}")
         for row in report["series"]:
             if row["required"] and not row["found"]:
                 report["problems"].append(f"required series missing: {row['name']}")
         missing = bool(report["problems"])
         try:
-            gauges = parse_engine_metrics(got.text)
+            gauges = parse_engine_metrics(got.text, dialect=dialect or VLLM)
         except MetricsFormatError as exc:
             if not missing:  # else the missing series are the reason, already said
                 report["problems"].append(f"the service cannot use this document: {exc}")
@@ -236,7 +229,7 @@ def render_text(reports: list[dict[str, Any]]) -> str:
             out.append(f"  scrape: HTTP {r['http_status']}, {r['bytes']} bytes in {r['scrape_ms']} ms")
         if "dialect" in r:
             version = f", apparent version {r['apparent_version']}" if r.get("apparent_version") else ""
-            out.append(f"  dialect: {r['dialect']}{version}")
+            out.append(f"  dialect: {r['dialect']} ({r['dialect_from']}){version}")
             for s in r["series"]:
                 kind = "required" if s["required"] else "optional"
                 out.append(f"    {'found  ' if s['found'] else 'MISSING'} {s['name']}  ({kind}: {s['for']})")

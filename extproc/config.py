@@ -8,6 +8,8 @@ Engines come from one of two places:
   `ADMISSION_OBSERVE_MODELS` (unset or empty = no model is gated, everything passes through);
 - `EXTPROC_CONFIG=path.yaml`: a list of engines, each with its URL, its models and optional
   per-engine overrides of the admission limits (see README "Configuration").
+Either way each engine has a metrics `dialect` (extproc/dialects.py: vllm, sglang, trtllm, or auto
+to detect it from the first exposition): `ADMISSION_ENGINE_DIALECT`, or an engine entry's `dialect`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from .dialects import AUTO, CHOICES as DIALECT_CHOICES
 from .endpoints import DEFAULT_GATED_PATHS, canonical_path
 
 #: The park cap's default: long enough for a sustained-load queue to drain on today's vLLM
@@ -42,7 +45,7 @@ class EngineLimits:
     kv_threshold: float
     max_queue_depth: int
     max_park_seconds: float
-    kv_capacity_tokens: int | None = None  # used when the engine exposes no vllm:cache_config_info
+    kv_capacity_tokens: int | None = None  # used when the engine exposes no KV capacity (its dialect's families)
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class EstimateSettings:
     tokenizer: str | None = None  # a built-in vocabulary name or a tokenizer.json path
     tokenize_above_bytes: int = 8192  # ask the engine's POST /tokenize from this prompt size; 0 = never
     tokenize_timeout_seconds: float = 0.5
-    learn: bool = True  # learn bytes-per-token from the engine's vllm:prompt_tokens_total
+    learn: bool = True  # learn bytes-per-token from the engine's prompt-token counter
     bytes_per_token_min: float = 1.0  # bounds of the learned bytes-per-token
     bytes_per_token_max: float = 4.0
     template_fixed: int = 32
@@ -73,6 +76,7 @@ class EngineConfig:
     upstream_port: int
     models: tuple[str, ...]
     limits: EngineLimits
+    dialect: str = AUTO  # a name in dialects.DIALECTS, or auto: detected from the first exposition
 
     @property
     def cluster(self) -> str:
@@ -190,7 +194,8 @@ class Settings:
                     "kv_threshold": e.limits.kv_threshold,
                     "max_queue_depth": e.limits.max_queue_depth,
                     "max_park_seconds": e.limits.max_park_seconds,
-                    "kv_capacity_tokens": e.limits.kv_capacity_tokens or "from vllm:cache_config_info",
+                    "kv_capacity_tokens": e.limits.kv_capacity_tokens or "from the engine's metrics",
+                    "dialect": e.dialect,
                 }
                 for e in self.engines
             ],
@@ -282,8 +287,15 @@ def _engine_url(name: str, raw: str) -> tuple[str, str, int]:
 _ENGINE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,40}[a-z0-9])?$")
 _ENGINE_KEYS = {
     "name", "url", "metrics_url", "models", "max_inflight", "kv_threshold", "max_queue_depth", "max_park_seconds",
-    "kv_capacity_tokens",
+    "kv_capacity_tokens", "dialect",
 }
+
+
+def _dialect(name: str, raw: object) -> str:
+    value = str(raw).strip().lower()
+    if value not in DIALECT_CHOICES:
+        raise ConfigError(f"{name}={raw!r}: must be one of {', '.join(DIALECT_CHOICES)}")
+    return value
 
 
 def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | None) -> EngineLimits:
@@ -311,7 +323,8 @@ def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | Non
                         kv_capacity_tokens=capacity)
 
 
-def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits) -> tuple[EngineConfig, ...]:
+def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits,
+                       default_dialect: str) -> tuple[EngineConfig, ...]:
     try:
         with open(path, encoding="utf-8") as fh:
             doc = yaml.safe_load(fh)
@@ -344,7 +357,8 @@ def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits
         if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
             raise ConfigError(f"{where}.models={models!r}: must be a non-empty list of model names")
         limits = _limits(where, entry, defaults)
-        engines.append(EngineConfig(name, url, metrics_url, host, port, tuple(models), limits))
+        dialect = _dialect(f"{where}.dialect", entry["dialect"]) if "dialect" in entry else default_dialect
+        engines.append(EngineConfig(name, url, metrics_url, host, port, tuple(models), limits, dialect))
     return tuple(engines)
 
 
@@ -353,18 +367,19 @@ def load_settings(env: Mapping[str, str]) -> Settings:
     defaults = _limits("", env, None)
     config_file = env.get("EXTPROC_CONFIG") or None
     observe = _csv(env.get("ADMISSION_OBSERVE_MODELS"))
+    dialect = _dialect("ADMISSION_ENGINE_DIALECT", env.get("ADMISSION_ENGINE_DIALECT") or AUTO)
     if config_file:
         if observe:
             raise ConfigError(
                 "ADMISSION_OBSERVE_MODELS and EXTPROC_CONFIG are both set: list the models in the "
                 "config file's engines[].models instead"
             )
-        engines = _engines_from_yaml(config_file, env, defaults)
+        engines = _engines_from_yaml(config_file, env, defaults, dialect)
     else:
         url, host, port = _engine_url("ENGINE_URL", env.get("ENGINE_URL") or "http://127.0.0.1:8000")
         metrics_url = env.get("ENGINE_METRICS_URL") or f"{url}/metrics"
         _engine_url("ENGINE_METRICS_URL", metrics_url)
-        engines = (EngineConfig("default", url, metrics_url, host, port, observe, defaults),)
+        engines = (EngineConfig("default", url, metrics_url, host, port, observe, defaults, dialect),)
     names = [e.name for e in engines]
     if len(set(names)) != len(names):
         raise ConfigError(f"EXTPROC_CONFIG={config_file!r}: engine names must be unique, got {names}")

@@ -62,7 +62,7 @@ class Metrics:
         self.estimated_prompt_tokens = Counter(
             "admission_estimated_prompt_tokens",
             "Estimated prompt tokens of admitted requests (n sequences count n prompts, as the engine does); "
-            "compare with the engine's vllm:prompt_tokens_total (admission_engine_prompt_tokens_total).",
+            "compare with the engine's prompt-token counter (admission_engine_prompt_tokens_total).",
             ["engine", "model"], registry=r)
         self.estimate_source = Counter(
             "admission_estimate_source",
@@ -72,13 +72,13 @@ class Metrics:
             ["engine", "model", "source"], registry=r)
         self.engine_prompt_tokens = Counter(
             "admission_engine_prompt_tokens",
-            "The engine's vllm:prompt_tokens_total as this replica saw it grow between its polls: compare with "
+            "The engine's prompt-token counter (its dialect's, e.g. vLLM's prompt_tokens_total) as this replica saw it grow between its polls: compare with "
             "admission_estimated_prompt_tokens_total (every replica sees the same engine: take max by engine).",
             ["engine"], registry=r)
         self.estimate_ratio = Gauge(
             "admission_estimate_ratio",
             "Estimated prompt tokens of what this replica admitted over what the engine counted "
-            "(vllm:prompt_tokens_total), both decayed by half every 1M tokens; NaN until 50k counted. Below 1: "
+            "(its prompt-token counter), both decayed by half every 1M tokens; NaN until 50k counted. Below 1: "
             "the budget under-reserves.",
             ["engine", "model"], registry=r)
         self.bytes_per_token = Gauge(
@@ -108,8 +108,12 @@ class Metrics:
         self.waiting = Gauge("vllm_requests_waiting", "The engine's waiting requests at the last good poll.", ["engine"], registry=r)
         self.kv_usage = Gauge("vllm_kv_usage_perc", "The engine's KV cache usage (fraction 0..1) at the last good poll.", ["engine"], registry=r)
         self.kv_capacity = Gauge(
-            "vllm_kv_capacity_tokens", "KV cache capacity in tokens from vllm:cache_config_info (0 = unknown).",
+            "vllm_kv_capacity_tokens", "KV cache capacity in tokens from the engine's metrics (0 = unknown).",
             ["engine"], registry=r)
+        self.engine_dialect = Gauge(
+            "admission_engine_dialect",
+            "1 for the metrics dialect (vllm, sglang, trtllm) the engine is read with: configured, or detected "
+            "from its first exposition (no series until then).", ["engine", "dialect"], registry=r)
         self.degraded = Gauge(
             "observer_degraded", "1 while the engine's metrics cannot be parsed into the three required gauges.",
             ["engine"], registry=r)

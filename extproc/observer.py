@@ -13,11 +13,16 @@ not a format problem.
 A document is used only if it parses completely (`parse_engine_metrics`): a truncated body, a
 missing family, a value out of range is a failed poll (`engine_poll_failures_total{reason=
 "unparsable"}`) and the gate keeps the last good state until `stale_after_polls` failures in a
-row make it fail open. Once an engine has shown `vllm:cache_config_info`, a document without it
+row make it fail open. Once an engine has shown its KV capacity, a document without it
 is such a failure too (a body cut in half), not a reason to switch the KV budget off; a
 different capacity (the engine restarted with another cache size) is taken and logged. The
 expectation lasts for the life of this process: restart the service if an engine is downgraded
 to a version that does not expose the family at all.
+
+Each engine's metrics are read through its dialect (extproc/dialects.py). With `dialect: auto`
+the first document that carries a known dialect's running-requests family decides it, for the
+life of this process: it is logged once and shown as `admission_engine_dialect{engine,dialect}`
+= 1 (and on /debug/engines); until then a document counts as unparsable.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import aiohttp
 
 from .admission import Admission
 from .config import EngineConfig, Settings
+from .dialects import AUTO, DIALECTS, Dialect, detect
 from .enginemetrics import EngineGauges, MetricsFormatError, parse_engine_metrics
 from .gate import EngineSnapshot
 from .metrics import Metrics
@@ -48,10 +54,14 @@ class EngineObserver:
         self._polls: dict[str, int] = {}
         self._degraded: dict[str, bool] = {}
         self._capacity_source: dict[str, str] = {}
-        self._capacity_seen: dict[str, bool] = {}  # the engine has shown vllm:cache_config_info
-        self._prompt_tokens: dict[str, float] = {}  # the engine's vllm:prompt_tokens_total at the last poll
+        self._capacity_seen: dict[str, bool] = {}  # the engine has shown its KV capacity
+        self._prompt_tokens: dict[str, float] = {}  # the engine's prompt-token counter at the last poll
+        self._dialects: dict[str, Dialect] = {}  # configured, or detected from the first exposition
         self._drifting: dict[str, bool] = {}  # the last good poll showed running > max in-flight
         self._engines = [e for e in settings.engines if e.models]
+        for engine in self._engines:
+            if engine.dialect != AUTO:
+                self._set_dialect(engine, DIALECTS[engine.dialect], "configured")
 
     async def start(self) -> None:
         """Start polling; returns once every engine's first poll has finished (either way)."""
@@ -77,6 +87,27 @@ class EngineObserver:
 
     def poll_count(self, engine: str) -> int:
         return self._polls.get(engine, 0)
+
+    def dialect(self, engine: str) -> str | None:
+        """The metrics dialect the engine is read with (None: auto, not detected yet)."""
+        d = self._dialects.get(engine)
+        return d.name if d else None
+
+    def _set_dialect(self, engine: EngineConfig, dialect: Dialect, how: str) -> None:
+        self._dialects[engine.name] = dialect
+        self._metrics.engine_dialect.labels(engine.name, dialect.name).set(1)
+        log.info("engine metrics dialect", extra={"engine": engine.name, "dialect": dialect.name, "how": how})
+
+    def _dialect_for(self, engine: EngineConfig, text: str) -> Dialect:
+        """The engine's dialect; with auto, detected from this document (MetricsFormatError if none)."""
+        known = self._dialects.get(engine.name)
+        if known is not None:
+            return known
+        found = detect(text)
+        if found is None:
+            raise MetricsFormatError("no known metrics dialect: none of "
+                                     f"{', '.join(d.running for d in DIALECTS.values())} is present")
+        return found
 
     async def _run(self, engine: EngineConfig) -> None:
         loop = asyncio.get_running_loop()
@@ -116,11 +147,15 @@ class EngineObserver:
         except aiohttp.ClientError as exc:
             return await self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)
         try:
-            gauges = parse_engine_metrics(text, expect_capacity=self._capacity_seen.get(engine.name, False))
+            dialect = self._dialect_for(engine, text)
+            gauges = parse_engine_metrics(text, dialect=dialect,
+                                          expect_capacity=self._capacity_seen.get(engine.name, False))
         except MetricsFormatError as exc:
             self._set_degraded(engine, True, str(exc), first)
             return await self._failed(engine, "unparsable", str(exc), first, degraded_logged=True)
         self._set_degraded(engine, False, "", first)
+        if engine.name not in self._dialects:
+            self._set_dialect(engine, dialect, "detected")
         if gauges.capacity_tokens:
             self._capacity_seen[engine.name] = True
         await self._succeeded(engine, gauges, started)
@@ -180,7 +215,7 @@ class EngineObserver:
     def _log_capacity_source(self, engine: EngineConfig, gauges: EngineGauges) -> None:
         """Say once (and on every change) where the KV capacity for the budget comes from."""
         if gauges.capacity_tokens:
-            source, tokens = "vllm:cache_config_info", gauges.capacity_tokens
+            source, tokens = DIALECTS[gauges.dialect].capacity_source(), gauges.capacity_tokens
         elif engine.limits.kv_capacity_tokens:
             source, tokens = "configured (ADMISSION_KV_CAPACITY_TOKENS / kv_capacity_tokens)", engine.limits.kv_capacity_tokens
         else:
@@ -190,8 +225,10 @@ class EngineObserver:
             return
         self._capacity_source[engine.name] = key
         if tokens is None:
-            log.warning("KV capacity unknown: the engine exposes no vllm:cache_config_info and none is configured; "
-                        "the KV-token budget is inactive, only the reference gates apply", extra={"engine": engine.name})
+            log.warning("KV capacity unknown: the engine's metrics show none and none is configured; "
+                        "the KV-token budget is inactive, only the reference gates apply",
+                        extra={"engine": engine.name, "dialect": gauges.dialect,
+                               "capacity_from": DIALECTS[gauges.dialect].capacity_source()})
         else:
             log.info("KV capacity for the token budget", extra={"engine": engine.name, "capacity_tokens": tokens,
                                                                 "source": source})

@@ -88,7 +88,8 @@ class Service:
         for name in ("", EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-        self._admin = web.AppRunner(make_app(s, self.metrics, self.admission, lambda: self._ready), access_log=None)
+        self._admin = web.AppRunner(make_app(s, self.metrics, self.admission, lambda: self._ready,
+                                             self.observer.dialect), access_log=None)
         await self._admin.setup()
         site = web.TCPSite(self._admin, s.admin_host, s.admin_port)
         await site.start()

@@ -196,13 +196,24 @@ async def test_a_pre_011_engine_without_cache_config_uses_the_configured_capacit
     assert r["capacity_tokens"] is None and "inactive" in r["capacity_source"]
 
 
-async def test_an_sglang_engine_is_named_and_refused(document: Callable[[str], _Document],
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+async def test_an_sglang_engine_is_detected_and_read_through_its_dialect(
+        document: Callable[[str], _Document], capsys: pytest.CaptureFixture[str]) -> None:
+    served = document('sglang:num_running_reqs{model_name="m"} 1.0\nsglang:num_queue_reqs{model_name="m"} 2.0\n'
+                      'sglang:token_usage{model_name="m"} 0.1\nsglang:max_total_num_tokens{model_name="m"} 50000.0\n')
+    status, doc = await _check(capsys, served.url)
+    r = _one(doc)
+    assert status == 0 and (r["dialect"], r["dialect_from"]) == ("sglang", "detected")
+    assert r["parsed"] == {"running": 1, "waiting": 2, "kv_usage": 0.1, "dp_ranks": 1, "block_size": 1}
+    assert r["capacity_tokens"] == 50000 and r["capacity_source"].startswith("sglang:max_total_num_tokens")
+
+
+async def test_an_engine_missing_its_dialects_queue_gauge_is_a_problem(
+        document: Callable[[str], _Document], capsys: pytest.CaptureFixture[str]) -> None:
     served = document('sglang:num_running_reqs{model_name="m"} 1.0\nsglang:token_usage{model_name="m"} 0.1\n')
     status, doc = await _check(capsys, served.url)
     r = _one(doc)
     assert status == 1 and r["dialect"] == "sglang"
-    assert "sglang metrics: the service reads vLLM's gauges only" in r["problems"]
+    assert "required series missing: sglang:num_queue_reqs" in r["problems"]
 
 
 async def test_without_urls_every_configured_engine_is_checked_with_its_limits(
