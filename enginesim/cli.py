@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from .config import DP_ROUTING, PRESETS, SimConfig
+from .metrics import DIALECTS
 from .outputs import OutputLenModel
 from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 from .scheduler import DEFAULT_PROFILE, PROFILES, CostModel, MemoryBoundCostModel, SchedulerConfig
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
              "when its victim next emits a token. 'vllm-0.11' (and any vLLM <= 0.18): admits "
              "a prompt when its first chunk fits, no prefix cache, synchronous steps, so a "
              "big prompt can be admitted and later preempted, recomputing from zero")
+    add("--dialect", choices=list(DIALECTS), default="vllm",
+        help="the metric names /metrics speaks: 'vllm' (vllm:*, the profile's exposition), 'sglang' "
+             "(sglang:num_running_reqs, sglang:num_queue_reqs, sglang:token_usage, "
+             "sglang:max_total_num_tokens, ...) or 'trtllm' (trtllm-serve's trtllm_num_requests_running, "
+             "trtllm_kv_cache_utilization, trtllm_kv_cache_max_blocks, ...; one rank only); the engine "
+             "behind them is the same")
     add("--preset", choices=list(PRESETS), default="small",
         help="engine geometry and cost model: 'small' is tiny and fast for tests; 'reference' "
              "is the reference engine (9527 blocks x 16, max_num_seqs 4, token budget 2048, "
@@ -231,7 +238,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      data_parallel_size=args.data_parallel_size, dp_routing=args.dp_routing,
                      max_num_queued_reqs=args.max_num_queued_reqs,
                      max_num_queued_tokens=args.max_num_queued_tokens,
-                     profile=args.profile)
+                     profile=args.profile, dialect=args.dialect)
 
 
 async def serve(config: SimConfig) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .metrics import DIALECTS
 from .outputs import OutputLenModel
 from .scheduler import PROFILES, CostModel, SchedulerConfig
 from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
@@ -77,6 +78,7 @@ class SimConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     profile: str = "vllm-0.33"
+    dialect: str = "vllm"  # the metrics names /metrics speaks: vllm, sglang or trtllm (enginesim.metrics)
 
     def __post_init__(self) -> None:
         if self.bytes_per_token <= 0:
@@ -104,6 +106,10 @@ class SimConfig:
                 raise ValueError(f"{name} needs --profile vllm-0.33: vLLM 0.11 has no queue limits")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {tuple(PROFILES)}, got {self.profile!r}")
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}, got {self.dialect!r}")
+        if self.dialect == "trtllm" and self.data_parallel_size != 1:
+            raise ValueError("dialect trtllm has no rank label: --data-parallel-size must be 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         sched = self.scheduler
@@ -120,6 +126,7 @@ class SimConfig:
         s = self.scheduler
         return (
             f"profile={self.profile} "
+            + (f"dialect={self.dialect} " if self.dialect != "vllm" else "") +
             f"model={self.model} num_gpu_blocks={s.num_gpu_blocks} block_size={s.block_size} "
             f"max_num_seqs={s.max_num_seqs} max_num_batched_tokens={s.max_num_batched_tokens} "
             f"max_model_len={s.max_model_len} data_parallel_size={self.data_parallel_size} "

@@ -322,7 +322,8 @@ class Engine:
         # where generations end and what they say: one seeded stream, drawn in arrival order
         self.rng = random.Random(self.config.seed)
         self.metrics = EngineMetrics(self.config.model, self.config.scheduler,
-                                     range(self.config.data_parallel_size), profile=self.config.profile)
+                                     range(self.config.data_parallel_size), profile=self.config.profile,
+                                     dialect=self.config.dialect)
         self.ranks = [EngineRank(i, self) for i in range(self.config.data_parallel_size)]
         self.arrivals: list[dict[str, Any]] = []
         self.requests: list[RequestHandle] = []

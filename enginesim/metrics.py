@@ -50,6 +50,24 @@ vLLM 0.33.0's ``vllm/v1/metrics/loggers.py`` instead, family for family and in i
   the API server's copy holds them after start-up: ``enable_prefix_caching`` True,
   ``gpu_memory_utilization`` 0.92, the layout/hash fields the frontend never learns None.
 
+Dialect (``--dialect``, default ``vllm``: the exposition above, byte for byte). ``sglang`` and
+``trtllm`` serve the same engine state under those engines' names and label conventions instead
+(``DIALECT_FAMILIES``; names as in extproc/dialects.py, which cites their sources):
+
+- ``sglang``: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``
+  (fraction), ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens`` (the rank's KV pool in
+  tokens: num_gpu_blocks x block_size, so the ranks add up to vLLM's total), counters
+  ``sglang:prompt_tokens_total`` / ``sglang:generation_tokens_total``. Labels ``model_name``,
+  ``engine_type`` (unified), ``tp_rank``, ``pp_rank``, and ``dp_rank`` with more than one rank.
+- ``trtllm``: ``trtllm_num_requests_running``, ``trtllm_num_requests_waiting``,
+  ``trtllm_kv_cache_utilization`` (fraction), ``trtllm_kv_cache_{max,used,free}_blocks``,
+  ``trtllm_kv_cache_tokens_per_block``, ``trtllm_max_num_active_requests``, counters
+  ``trtllm_prompt_tokens_total`` / ``trtllm_generation_tokens_total``. Labels ``model_name``,
+  ``engine_type`` (trtllm); no rank label, so one rank only.
+No process collectors, histograms or ``_created`` series there: the families a gate reads, and
+the engine's own capacity and token counters. The vLLM registry still records everything
+(``registry``); ``served`` is what ``/metrics`` renders.
+
 Metrics live on an injected ``CollectorRegistry``; there are no module-level metrics.
 """
 
@@ -68,13 +86,14 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .scheduler import ScheduledStep, SchedulerConfig, SchedulerStats, StepOutput
 
 __all__ = [
     "ADMISSION_REASONS",
     "DEFAULT_PROFILE",
+    "DIALECTS",
     "EngineMetrics",
     "PROFILES",
     "GAUGE_FAMILIES",
@@ -95,6 +114,12 @@ CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 GAUGE_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                   "vllm:kv_cache_usage_perc")
+DIALECTS = ("vllm", "sglang", "trtllm")
+#: Each other dialect's (running, waiting, KV usage) families, what ``without_gauges`` drops.
+DIALECT_FAMILIES = {
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
+    "trtllm": ("trtllm_num_requests_running", "trtllm_num_requests_waiting", "trtllm_kv_cache_utilization"),
+}
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -220,7 +245,16 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, config: SchedulerConfig, engine_indexes: Sequence[int],
                  registry: CollectorRegistry | None = None,
-                 process_collectors: bool = True, profile: str | None = None) -> None:
+                 process_collectors: bool = True, profile: str | None = None,
+                 dialect: str | None = None) -> None:
+        if dialect is None:
+            dialect = getattr(config, "dialect", None) or "vllm"
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}, got {dialect!r}")
+        if dialect == "trtllm" and len(list(engine_indexes)) != 1:
+            raise ValueError("dialect trtllm has no rank label: one engine rank only")
+        self.dialect = dialect
+        self._config = config
         if profile is None:
             profile = getattr(config, "profile", None) or DEFAULT_PROFILE
         if profile not in PROFILES:
@@ -404,6 +438,12 @@ class EngineMetrics:
         for idx in self.engine_indexes:
             info.labels(**info_labels, engine=str(idx)).set(1)
 
+        # Token totals per rank, for the other dialects' counters.
+        self.token_totals: dict[int, list[float]] = {idx: [0.0, 0.0] for idx in self.engine_indexes}
+        self.served = reg
+        if dialect != "vllm":
+            self.served = CollectorRegistry()
+            self.served.register(_DialectCollector(self))  # type: ignore[arg-type]
         self.published: dict[int, SchedulerStats] = {
             idx: SchedulerStats(0, 0, 0.0, 0) for idx in self.engine_indexes}
         self.pins: dict[str, float | None] = {"running": None, "waiting": None, "kv_usage": None}
@@ -454,6 +494,13 @@ class EngineMetrics:
         self.pins = {"running": running, "waiting": waiting, "kv_usage": kv_usage}
         self._apply_gauges()
 
+    def gauge_values(self, idx: int) -> tuple[float, float, float]:
+        """Running, waiting and KV usage of one rank as published (or pinned)."""
+        stats, pins = self.published[idx], self.pins
+        return (stats.num_running_reqs if pins["running"] is None else pins["running"],
+                stats.num_waiting_reqs if pins["waiting"] is None else pins["waiting"],
+                stats.kv_cache_usage if pins["kv_usage"] is None else pins["kv_usage"])
+
     def _apply_gauges(self) -> None:
         pins = self.pins
         for idx, stats in self.published.items():
@@ -482,6 +529,8 @@ class EngineMetrics:
                 self._request_preemptions[key] = self._request_preemptions.get(key, 0) + 1
         self.prompt_tokens[idx].inc(output.num_prompt_tokens)
         self.generation_tokens[idx].inc(output.num_generation_tokens)
+        self.token_totals[idx][0] += output.num_prompt_tokens
+        self.token_totals[idx][1] += output.num_generation_tokens
         self.iteration_tokens[idx].observe(output.num_prompt_tokens + output.num_generation_tokens)
         for ttft in output.time_to_first_tokens:
             self.ttft[idx].observe(ttft)
@@ -520,5 +569,78 @@ class EngineMetrics:
     def exposition(self, *, without_gauges: bool = False) -> bytes:
         """Prometheus text format 0.0.4; optionally without the three scheduler gauges."""
         if without_gauges:
-            return generate_latest(_Without(self.registry, GAUGE_FAMILIES))  # type: ignore[arg-type]
-        return generate_latest(self.registry)
+            dropped = DIALECT_FAMILIES.get(self.dialect, GAUGE_FAMILIES)
+            return generate_latest(_Without(self.served, dropped))  # type: ignore[arg-type]
+        return generate_latest(self.served)
+
+
+class _DialectCollector:
+    """The engine state under SGLang's or trtllm-serve's names, built at each scrape."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        config = m._config
+        rank_tokens = config.num_gpu_blocks * config.block_size
+        if m.dialect == "sglang":
+            names = ["model_name", "engine_type", "tp_rank", "pp_rank"]
+            many = len(m.engine_indexes) > 1
+            if many:
+                names.append("dp_rank")
+
+            def labels(idx: int) -> list[str]:
+                return [m.model_name, "unified", "0", "0"] + ([str(idx)] if many else [])
+
+            families: list[tuple[Any, tuple[str, str], Any]] = [
+                (GaugeMetricFamily, ("sglang:num_running_reqs", "The number of running requests."),
+                 lambda idx: m.gauge_values(idx)[0]),
+                (GaugeMetricFamily, ("sglang:num_queue_reqs", "The number of requests in the waiting queue."),
+                 lambda idx: m.gauge_values(idx)[1]),
+                (GaugeMetricFamily, ("sglang:token_usage", "The token usage."), lambda idx: m.gauge_values(idx)[2]),
+                (GaugeMetricFamily, ("sglang:num_used_tokens", "The number of used tokens."),
+                 lambda idx: round(m.gauge_values(idx)[2] * rank_tokens)),
+                (GaugeMetricFamily, ("sglang:max_total_num_tokens",
+                                     "Maximum total number of tokens in the KV cache pool."), lambda idx: rank_tokens),
+                (CounterMetricFamily, ("sglang:prompt_tokens", "Number of prefill tokens processed."),
+                 lambda idx: m.token_totals[idx][0]),
+                (CounterMetricFamily, ("sglang:generation_tokens", "Number of generation tokens processed."),
+                 lambda idx: m.token_totals[idx][1]),
+            ]
+        else:
+            names = ["model_name", "engine_type"]
+
+            def labels(idx: int) -> list[str]:
+                return [m.model_name, "trtllm"]
+
+            def used_blocks(idx: int) -> int:
+                return round(m.gauge_values(idx)[2] * config.num_gpu_blocks)
+
+            families = [
+                (GaugeMetricFamily, ("trtllm_num_requests_running", "Number of active requests"),
+                 lambda idx: m.gauge_values(idx)[0]),
+                (GaugeMetricFamily, ("trtllm_num_requests_waiting", "Number of queued requests"),
+                 lambda idx: m.gauge_values(idx)[1]),
+                (GaugeMetricFamily, ("trtllm_kv_cache_utilization", "KV cache utilization"),
+                 lambda idx: m.gauge_values(idx)[2]),
+                (GaugeMetricFamily, ("trtllm_kv_cache_max_blocks", "Maximum number of KV cache blocks"),
+                 lambda idx: config.num_gpu_blocks),
+                (GaugeMetricFamily, ("trtllm_kv_cache_used_blocks", "Number of used KV cache blocks"), used_blocks),
+                (GaugeMetricFamily, ("trtllm_kv_cache_free_blocks", "Number of free KV cache blocks"),
+                 lambda idx: config.num_gpu_blocks - used_blocks(idx)),
+                (GaugeMetricFamily, ("trtllm_kv_cache_tokens_per_block", "Number of tokens per KV cache block"),
+                 lambda idx: config.block_size),
+                (GaugeMetricFamily, ("trtllm_max_num_active_requests", "Maximum number of active requests"),
+                 lambda idx: config.max_num_seqs),
+                (CounterMetricFamily, ("trtllm_prompt_tokens", "Cumulative number of prompt (input) tokens processed."),
+                 lambda idx: m.token_totals[idx][0]),
+                (CounterMetricFamily, ("trtllm_generation_tokens",
+                                       "Cumulative number of generation (output) tokens produced."),
+                 lambda idx: m.token_totals[idx][1]),
+            ]
+        for kind, (name, doc), value in families:
+            family = kind(name, doc, labels=names)
+            for idx in m.engine_indexes:
+                family.add_metric(labels(idx), float(value(idx)))
+            yield family

@@ -568,7 +568,7 @@ class MetricsApi:
         if mode == "garbage":
             return web.Response(body=GARBAGE_BODY, headers={"Content-Type": METRICS_CONTENT_TYPE})
         if mode == "ok" and "application/openmetrics-text" in request.headers.get("Accept", ""):
-            return web.Response(body=generate_openmetrics(metrics.registry),
+            return web.Response(body=generate_openmetrics(metrics.served),
                                 headers={"Content-Type": OPENMETRICS_TYPE})
         body = metrics.exposition(without_gauges=(mode == "missing"))
         if mode in _BROKEN_DOCUMENTS:
