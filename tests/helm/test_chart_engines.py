@@ -64,3 +64,14 @@ def test_engines_the_service_would_misuse_are_refused_at_render(chart: Chart, en
 def test_the_schema_names_an_incomplete_engine(chart: Chart, engine: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
         chart.render({"engines": [engine]})
+
+
+def test_an_engines_dialect_reaches_the_engines_file_and_the_schema_refuses_others(chart: Chart, tmp_path) -> None:  # noqa: ANN001
+    from extproc.config import load_settings
+    rendered = chart.render({"engines": [{"name": "s", "url": "http://s:30000", "models": ["s"], "dialect": "sglang"},
+                                         {"name": "v", "url": "http://v:8000", "models": ["v"]}]})
+    path = tmp_path / "engines.yaml"
+    path.write_text(rendered.engines_yaml)
+    assert [e.dialect for e in load_settings({"EXTPROC_CONFIG": str(path)}).engines] == ["sglang", "auto"]
+    with pytest.raises(helm.HelmValuesError, match=re.escape("/engines/0/dialect")):
+        chart.render({"engines": [{"name": "q", "url": "http://q:8000", "models": ["q"], "dialect": "tgi"}]})
