@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps run test unit envoy-config clean help
+.PHONY: setup system-deps run test unit envoy-config protos clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
@@ -37,6 +37,9 @@ unit: $(STAMP)
 
 envoy-config: $(STAMP)
 	env -i PATH="$$PATH" ADMISSION_OBSERVE_MODELS=sim-model $(VENV)/bin/extproc envoy-config -o envoy/envoy.yaml
+
+protos: $(STAMP)
+	$(PY) scripts/generate_protos.py
 
 clean:
 	rm -rf $(VENV) run .pytest_cache .hypothesis *.egg-info
