@@ -31,8 +31,8 @@ import asyncio
 import bisect
 import contextlib
 import json
-import signal
 import math
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -193,7 +193,7 @@ class EngineSampler:
             try:
                 async with session.get(f"{self.url}/control/state") as response:
                     self.note(await response.json())
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (TimeoutError, aiohttp.ClientError, ValueError):
                 self.failures += 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)

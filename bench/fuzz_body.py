@@ -30,6 +30,7 @@ import pydantic
 from extproc.bodyscan import MAX_DEPTH, BodyError, scan_body
 from extproc.outcomes import Outcome
 
+
 class EngineFields(pydantic.BaseModel):
     """The fields the gateway reads, typed as vLLM's ChatCompletionRequest declares them."""
 

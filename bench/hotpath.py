@@ -222,6 +222,7 @@ def serve_noop(port: int) -> None:
     """A grpc.aio ext_proc that answers every message with the matching CONTINUE, nothing else,
     with the service's server options; the stream ends when Envoy ends it, as the service's does."""
     import grpc
+
     from extproc.wire import pb, pb_grpc
 
     answers = {

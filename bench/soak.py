@@ -60,7 +60,7 @@ async def send(port: int, body: bytes, *, hang_up_after: float | None = None,
         if hang_up_after is not None:
             try:
                 line = await asyncio.wait_for(reader.readline(), hang_up_after)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return "hung_up_waiting"
             return f"hung_up_after_{line.split(b' ')[1].decode() if line else 'eof'}"
         status_line = await asyncio.wait_for(reader.readline(), timeout)
@@ -70,7 +70,7 @@ async def send(port: int, body: bytes, *, hang_up_after: float | None = None,
             return f"hung_up_mid_stream_{status}" if chunk else status
         await asyncio.wait_for(reader.read(), timeout)
         return status
-    except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
         return type(exc).__name__
     finally:
         writer.close()

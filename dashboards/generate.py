@@ -27,12 +27,9 @@ import json
 import sys
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.builders import prometheus, timeseries
+from grafana_foundation_sdk.builders import common as common_builders, dashboard as db, prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models import common, dashboard as model
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "llm-admission.json"

@@ -16,9 +16,9 @@ from aiohttp import web
 from .config import DP_ROUTING, PRESETS, SimConfig
 from .metrics import DIALECTS
 from .outputs import OutputLenModel
-from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 from .scheduler import DEFAULT_PROFILE, PROFILES, CostModel, MemoryBoundCostModel, SchedulerConfig
 from .server import create_app, create_runner
+from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 __all__ = ["build_parser", "config_from_args", "main"]
 

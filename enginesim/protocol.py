@@ -98,7 +98,7 @@ def sse_error_completion(body: dict[str, Any]) -> bytes:
     """An error event as vLLM 0.33's completion stream writes it: ``json.dumps`` with its
     default separators (``create_streaming_error_response``); the chat stream instead dumps the
     ErrorResponse with pydantic, compact (``sse``)."""
-    return f"data: {json.dumps(body)}\n\n".encode("utf-8")
+    return f"data: {json.dumps(body)}\n\n".encode()
 
 
 @dataclass(frozen=True)
@@ -336,7 +336,7 @@ def _dumps(obj: dict[str, Any]) -> str:
 def sse(obj: dict[str, Any] | str) -> bytes:
     """One server-sent event: ``data: ...`` and a blank line."""
     data = obj if isinstance(obj, str) else _dumps(obj)
-    return f"data: {data}\n\n".encode("utf-8")
+    return f"data: {data}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -39,8 +39,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.exposition import (
+    CONTENT_TYPE_LATEST as OPENMETRICS_TYPE,
+    generate_latest as generate_openmetrics,
+)
 
 from . import protocol
 from .config import SimConfig
@@ -330,7 +332,7 @@ class OpenAIApi:
             await response.prepare(request)
         model = parsed.model
         chat = parsed.kind == protocol.CHAT
-        counts = {rid: 0 for rid in choices}
+        counts = dict.fromkeys(choices, 0)
         started: set[str] = set()
         async for token in self._tokens(queue, len(choices)):
             index, handle, end, stream = choices[token.request_id]

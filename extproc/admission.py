@@ -253,7 +253,7 @@ class Admission:
         self._idle = asyncio.Event()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
             self._idle = None

@@ -360,7 +360,7 @@ class RedisLedger:
         started = time.perf_counter()
         try:
             return await asyncio.wait_for(call, self._timeout)
-        except (asyncio.TimeoutError, OSError, ConnectionError) as exc:
+        except (TimeoutError, OSError, ConnectionError) as exc:
             raise LedgerUnavailable(f"{op}: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # redis.RedisError and friends: never fail a request over Redis
             if type(exc).__module__.startswith("redis"):

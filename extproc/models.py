@@ -129,7 +129,7 @@ class ModelRegistry:
                     raise ValueError(f"HTTP {response.status}")
                 doc = await response.json(content_type=None)
             names = tuple(sorted({str(m["id"]) for m in doc["data"] if isinstance(m, dict) and m.get("id")}))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             log.warning("cannot list served models; keeping the previous list",
                         extra={"engine": engine.name, "url": url, "error": str(exc) or type(exc).__name__})
             return None

@@ -142,7 +142,7 @@ class EngineObserver:
                 text = await response.text(errors="replace")
         except _PollError as exc:
             return await self._failed(engine, exc.reason, exc.detail, first)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return await self._failed(engine, "timeout", f"no answer within {self._settings.poll_interval}s", first)
         except aiohttp.ClientError as exc:
             return await self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)

@@ -60,9 +60,14 @@ import aiohttp
 from .bodyscan import BodyFacts
 from .config import BUILTIN_TOKENIZERS, EngineConfig, EstimateSettings, Settings
 from .endpoints import Endpoint
-from .estimate import (CostEstimate, TemplateOverhead, estimate_cost, estimate_counted, estimate_from_bytes,
-                       prompt_from_bytes)
-from .metrics import ESTIMATE_SOURCES as SOURCES, Metrics  # noqa: F401  (re-exported)
+from .estimate import (
+    CostEstimate,
+    TemplateOverhead,
+    estimate_cost,
+    estimate_counted,
+    estimate_from_bytes,
+)
+from .metrics import Metrics
 
 log = logging.getLogger("extproc.tokencount")
 
@@ -340,7 +345,7 @@ class Estimator:
                 if response.status != 200:
                     raise CountError(f"HTTP {response.status}: {(await response.text())[:200]}")
                 answer = await response.json(content_type=None)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise CountError(f"no answer within {self._est.tokenize_timeout_seconds * 1000:g} ms") from None
         except (aiohttp.ClientError, ValueError) as exc:
             raise CountError(f"{type(exc).__name__}: {exc}") from None

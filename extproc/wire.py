@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from extproc._proto.envoy.config.core.v3 import base_pb2
 from extproc._proto.envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from extproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from extproc._proto.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from extproc._proto.envoy.service.ext_proc.v3 import (
+    external_processor_pb2 as pb,
+    external_processor_pb2_grpc as pb_grpc,
+)
 from extproc._proto.envoy.type.v3 import http_status_pb2
 
 __all__ = ["base_pb2", "http_status_pb2", "pb", "pb_grpc", "processing_mode_pb2"]

@@ -10,8 +10,7 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from enginesim.scheduler import (
     PROFILES,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from extproc.devstack import Child, console_script, free_port, http_get, wait_until
-from extproc.outcomes import ENVOY_REJECTIONS
 from extproc.endpoints import DEFAULT_GATED_PATHS
+from extproc.outcomes import ENVOY_REJECTIONS
 
 from .conftest import Stack, two_engine_env
 from .http import Reply, chat_body, get, post

@@ -20,8 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.admission import Admission, gate_limits

@@ -42,7 +42,7 @@ def test_stream_defaults_to_false_and_is_read_as_the_engine_reads_it() -> None:
 
 def test_measures_message_text_in_utf8_bytes_not_roles() -> None:
     facts = scan_body(json.dumps({"model": "m", "messages": MESSAGES}, ensure_ascii=False).encode())
-    assert facts.prompt_bytes == len("be brief".encode()) + len("héllo".encode())
+    assert facts.prompt_bytes == len(b"be brief") + len("héllo".encode())
 
 
 def test_measures_text_parts_and_completion_prompts() -> None:

@@ -19,11 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from bench.fuzz_body import check, engine_reading
-
 
 # --- generators --------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from bench.estimate_cost import qwen3_tokenizer_json
 from bench.text import sized_content
 from enginesim.tokenizer import get_tokenizer
 from extproc.bodyscan import scan_body
-from extproc.tokencount import LocalTokenizer
 from extproc.estimate import TemplateOverhead
+from extproc.tokencount import LocalTokenizer
 
 QWEN = get_tokenizer("qwen3")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from extproc.gate import EngineGate, EngineSnapshot, EngineState, GateLimits, Ticket, TicketState
 from extproc.outcomes import Outcome

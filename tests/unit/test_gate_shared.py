@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from extproc.gate import EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
+from extproc.gate import EngineGate, EngineSnapshot, Ticket, TicketState
 from extproc.outcomes import Outcome
 
 from .limits import limits

@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from extproc.gate import EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
+from extproc.gate import EngineGate, EngineSnapshot, Ticket, TicketState
 from extproc.outcomes import Outcome
 
 from .limits import COUNT_ONLY, limits
