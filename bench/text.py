@@ -213,7 +213,7 @@ def cjk_pieces(tokenizer_name: str = DEFAULT_TOKENIZER) -> tuple[str, ...]:
     # No test suite in this Python: sentences of CJK words from the vocabulary itself.
     tokenizer = get_tokenizer(tokenizer_name if tokenizer_name != "bytes4" else DEFAULT_TOKENIZER)
     assert isinstance(tokenizer, VocabTokenizer)
-    words = [w for w in tokenizer.cjk_words()][:6000]
+    words = list(tokenizer.cjk_words())[:6000]
     rng = random.Random(0)
     return tuple("".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + "。\n" for _ in range(400))
 

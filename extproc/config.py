@@ -222,7 +222,7 @@ def _redis_url(name: str, raw: str) -> str:
         raise ConfigError(f"{name}={redact_url(url)!r}: must be a redis://, rediss:// or unix:// URL "
                           "such as redis://:password@redis:6379/0")
     try:
-        parts.port
+        _ = parts.port  # reading it raises ValueError for a port that is not a number in range
     except ValueError:
         raise ConfigError(f"{name}={redact_url(url)!r}: has an invalid port") from None
     return url

@@ -110,7 +110,7 @@ class ModelRegistry:
         results = await asyncio.gather(*(self._read(e) for e in self._engines))
         self._last_refresh = time.monotonic()
         changed = False
-        for engine, models in zip(self._engines, results):
+        for engine, models in zip(self._engines, results, strict=True):
             if models is not None and models != self._served[engine.name]:
                 added = sorted(set(models) - set(self._served[engine.name]))
                 removed = sorted(set(self._served[engine.name]) - set(models))

@@ -229,7 +229,7 @@ async def test_metrics_mode_garbage_is_not_prometheus_text(sim):
         assert resp.status == 200
         body = await resp.read()
     assert body.startswith(b"<html>")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         list(text_string_to_metric_families(body.decode("utf-8", "replace")))
 
 

@@ -191,7 +191,7 @@ def test_the_page_shows_requests_parking_and_leaving_live(stack: Stack, chromium
     assert v["kv"].endswith("%") and v["age"].endswith("s")
     assert v["queue_depth"] == "2" and v["capacity"] == "8,192"
     assert [row[0] for row in v["queue"]] == ["1", "2"]
-    for position, model, waiting_for, tokens, cost, cap_in in v["queue"]:
+    for _position, model, waiting_for, tokens, cost, cap_in in v["queue"]:
         assert model == "sim-model" and waiting_for.endswith("s") and cap_in.endswith("s")
         assert int(tokens.replace(",", "")) > 1000  # 4,000 bytes of prompt + 100 generation, estimated
         assert int(cost.replace(",", "")) % 16 == 0  # rounded up to whole KV blocks

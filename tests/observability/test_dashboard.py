@@ -11,7 +11,6 @@ import yaml
 from dashboards import generate
 
 from .dashboard_queries import concrete, panels, targets
-from .tools import promtool  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 

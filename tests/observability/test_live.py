@@ -32,7 +32,6 @@ import yaml
 from extproc.devstack import LocalStack, RedisServer, free_port, http_get, wait_until
 
 from .dashboard_queries import concrete, dashboard, targets
-from .tools import prometheus_binary, redis_server_binary  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
 

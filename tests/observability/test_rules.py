@@ -9,8 +9,6 @@ from pathlib import Path
 
 import yaml
 
-from .tools import promtool  # noqa: F401  (fixture)
-
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "llm-admission.rules.yml"
 RULE_TESTS = Path(__file__).with_name("llm-admission.rules.test.yml")
