@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from . import __version__
 from .config import ConfigError, Settings, load_settings
+from .envoyconf import DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, DEFAULT_TTFT_ALLOWANCE_SECONDS
 from .logs import configure
 from .settings_table import environment_help
 
@@ -48,7 +49,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="when the service is down: open = forward ungated, closed = 503 (default: %(default)s)")
     envoy.add_argument("--stream-idle-timeout", type=float, default=None,
                        help="Envoy stream idle timeout in seconds; must exceed the park cap "
-                            "(default: park cap + 600)")
+                            "(default: park cap + --first-token-allowance)")
+    envoy.add_argument("--first-token-allowance", type=float, default=DEFAULT_TTFT_ALLOWANCE_SECONDS,
+                       help="seconds a request may wait for its first byte after its park (default: %(default)s)")
+    envoy.add_argument("--health-listen", default=None, metavar="HOST:PORT",
+                       help="add a listener that forwards only /ready and /stats/prometheus to the admin "
+                            "interface, exempt from the connection cap (default: none)")
+    envoy.add_argument("--memory-limit", default=str(DEFAULT_ENVOY_MEMORY_LIMIT_BYTES // 2**20) + "Mi",
+                       help="Envoy's container memory limit (Kubernetes quantity, e.g. 512Mi), which sizes its "
+                            "overload manager and connection cap; 'none' for no overload manager "
+                            "(default: %(default)s)")
+    envoy.add_argument("--max-downstream-connections", type=int, default=None,
+                       help="Envoy's global downstream connection cap (default: sized from --memory-limit "
+                            "and MAX_BODY_BYTES)")
     envoy.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
 
     sub.add_parser("check-config", help="validate the configuration, print it as JSON, exit 0 or 2",
@@ -102,16 +115,20 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 
 def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
-    from .envoyconf import render_envoy_config
+    from .envoyconf import memory_bytes, render_envoy_config
 
     try:
         listen = _hostport("--listen", args.listen)
         admin = _hostport("--admin", args.admin)
         extproc = _hostport("--extproc", args.extproc) if args.extproc else (None, None)
+        health = _hostport("--health-listen", args.health_listen) if args.health_listen else ("0.0.0.0", None)
+        memory = None if args.memory_limit == "none" else memory_bytes(args.memory_limit)
         text = render_envoy_config(
             settings, listen_host=listen[0], listen_port=listen[1], admin_host=admin[0], admin_port=admin[1],
             extproc_host=extproc[0], extproc_port=extproc[1], failure_mode=args.failure_mode,
-            stream_idle_timeout=args.stream_idle_timeout,
+            stream_idle_timeout=args.stream_idle_timeout, first_token_allowance=args.first_token_allowance,
+            health_host=health[0], health_port=health[1], memory_limit_bytes=memory,
+            downstream_connections=args.max_downstream_connections,
         )
     except (ConfigError, ValueError) as exc:
         print(f"extproc: {exc}", file=sys.stderr)

@@ -43,6 +43,17 @@ heap cap is 90% of the memory limit (the rest is stacks and the binary). Past th
 refuses new connections (`global_downstream_max_connections`); at 95% of the heap cap it
 returns freed memory to the system (`shrink_heap`), at 98% it answers new requests 503 (
 `stop_accepting_requests`) instead of being OOM-killed with every stream it holds.
+
+This module is the only place the Envoy bootstrap is written: `extproc envoy-config` prints it
+(envoy/envoy.yaml is its output for the default settings), the local stack
+(extproc/devstack.py) builds it with options, and the Helm chart's Envoy pods get it from an
+init container that runs `extproc envoy-config` with the service's own environment. What only a
+deployment knows is an option here: the listen, admin and health addresses, where the service
+is, the first-token allowance, Envoy's memory limit, and whether the ext_proc filter is there.
+
+Every config is checked against Envoy's own API types when it is built (`check_envoy_config`,
+with envoy-data-plane's messages): a misspelled field, an unknown enum value, a malformed
+duration or an unregistered `@type` fails here, naming the field, not when Envoy starts.
 """
 
 from __future__ import annotations
@@ -68,6 +79,12 @@ from .contract import (
 from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
+#: Envoy's bound on ext_proc's max_message_timeout (a proto constraint: at most 1h).
+MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS = 3600
+#: The inference listener's HCM stat prefix (the chart's preStop reads http.<prefix>.downstream_rq_active).
+INFERENCE_STAT_PREFIX = "inference"
+#: Admin paths the optional health listener forwards: what the kubelet's probes and Prometheus need.
+HEALTH_PATHS = ("/ready", "/stats/prometheus")
 #: Envoy's container memory limit when none is given (the chart's default envoy.resources.limits.memory).
 DEFAULT_ENVOY_MEMORY_LIMIT_BYTES = 512 * 1024 * 1024
 #: The overload manager's heap cap, in percent of the memory limit.
@@ -100,6 +117,7 @@ def _is_ip(host: str) -> bool:
 
 def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int, connect_timeout: str,
              max_connections: int | None = None) -> dict[str, Any]:
+    """A cluster of one endpoint: STATIC for an IP address (v4 or v6), else STRICT_DNS."""
     connections = max_connections or max_requests
     cluster: dict[str, Any] = {
         "name": name,
@@ -203,7 +221,7 @@ def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
     if not settings.gating or not bound:
         routes = [_route({"prefix": "/"}, e.cluster, e) for e in engines] if len(engines) > 1 else []
         return routes + [_route({"prefix": "/"}, first.cluster)]
-    gated = [{"path": path} for path in settings.gated_paths]
+    gated: list[dict[str, Any]] = [{"path": path} for path in settings.gated_paths]
     gated.append({"safe_regex": {"regex": ESCAPED_SEPARATOR_REGEX}})
     if len(engines) > 1:
         routes = [_route(m, e.cluster, e) for e in engines for m in gated]
@@ -216,6 +234,14 @@ def _routes(settings: Settings, bound: bool) -> list[dict[str, Any]]:
         routes = [_route(m, first.cluster) for m in gated]
     routes.append(_route({"prefix": "/"}, first.cluster + UNGATED_CLUSTER_SUFFIX))
     return routes
+
+
+_ROUTER: dict[str, Any] = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
+_ADMIN_CLUSTER = "envoy_admin"
+_HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
 _CEL_FILTER = "envoy.access_loggers.extension_filters.cel"
@@ -324,8 +350,24 @@ def build_envoy_config(
     bound_engines: bool = True,
     memory_limit_bytes: int | None = None,
     downstream_connections: int | None = None,
+    first_token_allowance: float = DEFAULT_TTFT_ALLOWANCE_SECONDS,
+    health_host: str = "0.0.0.0",
+    health_port: int | None = None,
+    ext_proc: bool = True,
 ) -> dict[str, Any]:
-    """The Envoy bootstrap as a dict; `render_envoy_config` turns it into YAML.
+    """The Envoy bootstrap as a dict, checked against Envoy's API types; `render_envoy_config`
+    turns it into YAML.
+
+    `stream_idle_timeout` defaults to the park cap + `first_token_allowance` (the worst time to
+    first token after a park).
+
+    `health_port`: one more listener, `envoy_health`, forwarding only /ready and
+    /stats/prometheus to the admin interface (which stays where `admin_host` says, loopback by
+    default: the admin API can drain or stop Envoy). It ignores the global connection cap, so
+    probes and scrapes are answered while the inference listener is full. The chart's pods use it.
+
+    `ext_proc=False`: no ext_proc filter and no cluster for the service; Envoy forwards straight
+    to the engine (the local stack's and the benchmarks' baseline).
 
     `memory_limit_bytes` is Envoy's container memory limit: it sizes the overload manager's heap
     cap and, unless `downstream_connections` is given, the global downstream connection cap.
@@ -339,11 +381,18 @@ def build_envoy_config(
     if failure_mode not in ("open", "closed"):
         raise ValueError(f"failure_mode={failure_mode!r}: must be open or closed")
     park = settings.max_park_seconds
-    idle = stream_idle_timeout if stream_idle_timeout is not None else park + DEFAULT_TTFT_ALLOWANCE_SECONDS
+    idle = stream_idle_timeout if stream_idle_timeout is not None else park + first_token_allowance
     if idle <= park + PARK_TIMEOUT_MARGIN_SECONDS:
         raise ValueError(
             f"stream idle timeout {idle:g}s must exceed the park cap plus margin "
             f"({park:g}s + {PARK_TIMEOUT_MARGIN_SECONDS:g}s), or parked requests are cut off by Envoy"
+        )
+    longest_park = MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS - 2 * PARK_TIMEOUT_MARGIN_SECONDS
+    if park > longest_park:
+        raise ValueError(
+            f"park cap {park:g}s: Envoy's ext_proc max_message_timeout (park cap + "
+            f"{2 * PARK_TIMEOUT_MARGIN_SECONDS:g}s) may be at most {MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS}s, "
+            f"so no engine may park longer than {longest_park:g}s"
         )
     extproc_host = extproc_host or ("127.0.0.1" if settings.grpc_host in ("0.0.0.0", "::", "") else settings.grpc_host)
     extproc_port = extproc_port or settings.grpc_port
@@ -352,7 +401,7 @@ def build_envoy_config(
     bound_engines = bound_engines and settings.gating
     routes = _routes(settings, bound_engines)
 
-    ext_proc: dict[str, Any] = {
+    ext_proc_filter: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
         "failure_mode_allow": failure_mode == "open",
@@ -369,11 +418,11 @@ def build_envoy_config(
         },
     }
     if failure_mode == "closed":
-        ext_proc["status_on_error"] = {"code": 503}
+        ext_proc_filter["status_on_error"] = {"code": 503}
 
     hcm: dict[str, Any] = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "inference",
+        "@type": _HCM_TYPE,
+        "stat_prefix": INFERENCE_STAT_PREFIX,
         "codec_type": "AUTO",
         "normalize_path": True,
         "merge_slashes": True,
@@ -397,16 +446,14 @@ def build_envoy_config(
             "virtual_hosts": [{"name": "engines", "domains": ["*"], "routes": routes}],
         },
         "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-            },
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc_filter}] if ext_proc else []),
+            _ROUTER,
         ],
     }
-    clusters = [
-        _cluster("extproc", extproc_host, extproc_port, http2=True, max_requests=settings.max_streams, connect_timeout="1s")
-    ]
+    clusters = []
+    if ext_proc:
+        clusters.append(_cluster("extproc", extproc_host, extproc_port, http2=True, max_requests=settings.max_streams,
+                                 connect_timeout="1s"))
     for e in engines:
         bound = engine_bound(settings, e) if bound_engines else settings.max_streams
         clusters.append(_cluster(e.cluster, e.upstream_host, e.upstream_port, http2=False, max_requests=bound,
@@ -415,25 +462,81 @@ def build_envoy_config(
         first = engines[0]
         clusters.append(_cluster(first.cluster + UNGATED_CLUSTER_SUFFIX, first.upstream_host, first.upstream_port,
                                  http2=False, max_requests=settings.max_streams, connect_timeout="5s"))
+    listeners: list[dict[str, Any]] = [
+        {
+            "name": "inference",
+            "address": _addr(listen_host, listen_port),
+            "per_connection_buffer_limit_bytes": settings.max_body_bytes,
+            "filter_chains": [
+                {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+            ],
+        }
+    ]
+    if health_port is not None:
+        listeners.append(_health_listener(health_host, health_port))
+        reach_admin = "127.0.0.1" if admin_host in ("0.0.0.0", "::", "") else admin_host
+        clusters.append(_cluster(_ADMIN_CLUSTER, reach_admin, admin_port, http2=False, max_requests=64,
+                                 connect_timeout="1s"))
     config: dict[str, Any] = {"admin": {"address": _addr(admin_host, admin_port)}}
     if memory_limit_bytes is not None:
         connections = downstream_connections or max_downstream_connections(memory_limit_bytes, settings.max_body_bytes)
         config["overload_manager"] = _overload_manager(memory_limit_bytes, connections)
-    return config | {
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "inference",
-                    "address": _addr(listen_host, listen_port),
-                    "per_connection_buffer_limit_bytes": settings.max_body_bytes,
-                    "filter_chains": [
-                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-                    ],
-                }
-            ],
-            "clusters": clusters,
-        },
+    config["static_resources"] = {"listeners": listeners, "clusters": clusters}
+    check_envoy_config(config)
+    return config
+
+
+def _health_listener(host: str, port: int) -> dict[str, Any]:
+    routes = [{"match": {"path": path}, "route": {"cluster": _ADMIN_CLUSTER}} for path in HEALTH_PATHS]
+    return {
+        "name": "envoy_health",
+        "address": _addr(host, port),
+        # Probes and scrapes are answered even when the inference listener is at the connection cap.
+        "ignore_global_conn_limit": True,
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": _HCM_TYPE,
+            "stat_prefix": "envoy_health",
+            "route_config": {"name": "envoy_health", "virtual_hosts": [
+                {"name": "envoy_health", "domains": ["*"], "routes": routes}]},
+            "http_filters": [_ROUTER],
+        }}]}],
     }
+
+
+#: The modules of every `@type` the config uses: importing one registers its type URL, so that
+#: `check_envoy_config` can parse the typed_config that names it (envoy-data-plane, Envoy's API).
+_TYPED_CONFIG_MODULES = (
+    "envoy.extensions.filters.network.http_connection_manager.v3",
+    "envoy.extensions.filters.http.ext_proc.v3",
+    "envoy.extensions.filters.http.router.v3",
+    "envoy.extensions.http.early_header_mutation.header_mutation.v3",
+    "envoy.extensions.access_loggers.filters.cel.v3",
+    "envoy.extensions.resource_monitors.fixed_heap.v3",
+    "envoy.extensions.resource_monitors.downstream_connections.v3",
+    "envoy.extensions.upstreams.http.v3",
+)
+
+
+def check_envoy_config(config: dict[str, Any]) -> None:
+    """Parse the bootstrap into Envoy's own `Bootstrap` message (envoy-data-plane's dataclasses of
+    Envoy's data-plane API): an unknown field, enum value or `@type`, or a malformed duration
+    raises ValueError naming it. Envoy's field constraints (a port's range, a non-empty name) are
+    left to Envoy: the tests run `envoy --mode validate` on every config they generate."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        # envoy-data-plane 2.2.0's classes use a Pydantic API deprecated since Pydantic 2.12
+        # (a classmethod `model_validator`); importing them warns, using them does not.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
+
+        for module in _TYPED_CONFIG_MODULES:
+            importlib.import_module(f"envoy_data_plane.{module}")
+    try:
+        Bootstrap.from_dict(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the generated Envoy config does not fit Envoy's API: {exc}") from None
 
 
 def render_envoy_config(settings: Settings, **kwargs: Any) -> str:

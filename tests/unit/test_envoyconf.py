@@ -277,3 +277,145 @@ def test_envoy_refuses_connections_beyond_the_cap_and_serves_the_others(tmp_path
             s.close()
         envoy.terminate()
         envoy.wait(timeout=10)
+
+
+# --- checked against Envoy's API when generated -------------------------------------------------
+
+
+def _misspell(doc: dict, path: list, wrong: str) -> dict:
+    """`doc` with the field at `path` (keys and list indexes) renamed to `wrong`."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[wrong] = node.pop(path[-1])
+    return doc
+
+
+_HCM_PATH = ["static_resources", "listeners", 0, "filter_chains", 0, "filters", 0, "typed_config"]
+
+
+@pytest.mark.parametrize(
+    ("path", "wrong", "named"),
+    [
+        (["static_resources", "listeners", 0, "per_connection_buffer_limit_bytes"], "per_conection_buffer_limit_bytes",
+         "Listener"),
+        ([*_HCM_PATH, "stream_idle_timeout"], "stream_idle_timout", "HttpConnectionManager"),
+        ([*_HCM_PATH, "http_filters", 0, "typed_config", "max_message_timeout"], "max_mesage_timeout",
+         "ExternalProcessor"),
+        ([*_HCM_PATH, "local_reply_config", "mappers", 0, "filter", "extension_filter", "typed_config", "expression"],
+         "expresion", "ExpressionFilter"),
+        (["overload_manager", "resource_monitors", 0, "typed_config", "max_heap_size_bytes"], "max_heap_bytes",
+         "FixedHeapConfig"),
+    ],
+)
+def test_a_misspelled_field_fails_when_the_config_is_generated(path: list, wrong: str, named: str) -> None:
+    from extproc.envoyconf import DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, check_envoy_config
+
+    doc = build_envoy_config(load_settings(LOCAL_ENV), memory_limit_bytes=DEFAULT_ENVOY_MEMORY_LIMIT_BYTES)
+    check_envoy_config(doc)  # as generated
+    with pytest.raises(ValueError, match=f"Unknown field '{wrong}' in message {named}"):
+        check_envoy_config(_misspell(doc, path, wrong))
+
+
+def test_an_unknown_enum_value_or_type_fails_when_the_config_is_generated() -> None:
+    from extproc.envoyconf import check_envoy_config
+
+    doc = build_envoy_config(load_settings(LOCAL_ENV))
+    ext_proc = _ext_proc(doc)
+    ext_proc["processing_mode"]["request_body_mode"] = "BUFFERD_PARTIAL"
+    with pytest.raises(ValueError, match="BUFFERD_PARTIAL"):
+        check_envoy_config(doc)
+    ext_proc["processing_mode"]["request_body_mode"] = "BUFFERED_PARTIAL"
+    ext_proc["@type"] = ext_proc["@type"].replace("ExternalProcessor", "ExternalProcesor")
+    with pytest.raises(ValueError, match="ExternalProcesor"):
+        check_envoy_config(doc)
+
+
+def test_a_park_cap_beyond_envoys_ext_proc_timeout_limit_is_refused() -> None:
+    build_envoy_config(load_settings({**LOCAL_ENV, "ADMISSION_MAX_PARK_SECONDS": "3590"}))
+    with pytest.raises(ValueError, match="no engine may park longer than 3590s"):
+        build_envoy_config(load_settings({**LOCAL_ENV, "ADMISSION_MAX_PARK_SECONDS": "3591"}))
+
+
+# --- what a deployment adds: options, not edits ---------------------------------------------------
+
+
+def test_the_health_listener_forwards_only_ready_and_prometheus_stats_to_the_loopback_admin(tmp_path: Path) -> None:
+    doc = build_envoy_config(load_settings(LOCAL_ENV), admin_port=9901, health_port=9902)
+    inference, health = doc["static_resources"]["listeners"]
+    assert health["name"] == "envoy_health" and health["address"]["socket_address"]["port_value"] == 9902
+    assert health["ignore_global_conn_limit"] is True  # probes are answered at the connection cap
+    hcm = health["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes == [{"match": {"path": "/ready"}, "route": {"cluster": "envoy_admin"}},
+                      {"match": {"path": "/stats/prometheus"}, "route": {"cluster": "envoy_admin"}}]
+    (admin,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "envoy_admin"]
+    assert admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] == {
+        "socket_address": {"address": "127.0.0.1", "port_value": 9901}}
+    assert doc["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert "envoy_health" not in yaml.safe_dump(build_envoy_config(load_settings(LOCAL_ENV)))
+    _validate(yaml.safe_dump(doc), tmp_path)
+
+
+def test_without_ext_proc_envoy_forwards_straight_to_the_engine(tmp_path: Path) -> None:
+    doc = build_envoy_config(load_settings({**LOCAL_ENV, "ADMISSION_OBSERVE_MODELS": ""}), ext_proc=False)
+    assert [f["name"] for f in _hcm(doc)["http_filters"]] == ["envoy.filters.http.router"]
+    assert [c["name"] for c in doc["static_resources"]["clusters"]] == ["engine_default"]
+    _validate(yaml.safe_dump(doc), tmp_path)
+
+
+def test_the_first_token_allowance_sizes_the_stream_idle_timeout() -> None:
+    settings = load_settings({**LOCAL_ENV, "ADMISSION_MAX_PARK_SECONDS": "30.5"})
+    assert _hcm(build_envoy_config(settings))["stream_idle_timeout"] == "631s"
+    assert _hcm(build_envoy_config(settings, first_token_allowance=120))["stream_idle_timeout"] == "151s"
+    explicit = build_envoy_config(settings, first_token_allowance=120, stream_idle_timeout=900)
+    assert _hcm(explicit)["stream_idle_timeout"] == "900s"
+
+
+def test_the_ledger_settings_do_not_change_the_envoy_config(tmp_path: Path) -> None:
+    """The chart's envoy-config init container gets the service's env without the ledger's (the
+    Redis URL is a credential the Envoy pods need not hold): that is only right while this holds."""
+    local = load_settings(LOCAL_ENV)
+    redis = load_settings({**LOCAL_ENV, "ADMISSION_LEDGER": "redis", "ADMISSION_REDIS_URL": "redis://:pw@redis:6379/0",
+                           "ADMISSION_LEDGER_LEASE_SECONDS": "2.5", "ADMISSION_LEDGER_TIMEOUT_MS": "20",
+                           "ADMISSION_LEDGER_KEY_PREFIX": "team-x", "ADMISSION_REPLICA_ID": "pod-a"})
+    assert (redis.ledger, local.ledger) == ("redis", "local")
+    assert render_envoy_config(redis) == render_envoy_config(local)
+
+
+def test_the_cli_writes_the_config_with_the_options_a_deployment_passes(tmp_path: Path) -> None:
+    from extproc.cli import main
+    from extproc.envoyconf import memory_bytes
+
+    out = tmp_path / "envoy.yaml"
+    argv = ["envoy-config", "--output", str(out), "--listen", "0.0.0.0:8080", "--admin", "127.0.0.1:9901",
+            "--health-listen", "0.0.0.0:9902", "--extproc", "admission.inference.svc.cluster.local:9002",
+            "--failure-mode", "closed", "--first-token-allowance", "120", "--memory-limit", "1Gi",
+            "--max-downstream-connections", "300"]
+    assert main(argv, environ=LOCAL_ENV) == 0
+    expected = render_envoy_config(
+        load_settings(LOCAL_ENV), listen_port=8080, admin_port=9901, health_port=9902,
+        extproc_host="admission.inference.svc.cluster.local", extproc_port=9002, failure_mode="closed",
+        first_token_allowance=120, memory_limit_bytes=memory_bytes("1Gi"), downstream_connections=300)
+    assert out.read_text() == expected
+    (extproc,) = [c for c in yaml.safe_load(expected)["static_resources"]["clusters"] if c["name"] == "extproc"]
+    assert extproc["type"] == "STRICT_DNS"
+    _validate(out.read_text(), tmp_path)
+    assert main(["envoy-config", "--output", str(out), "--memory-limit", "none"], environ=LOCAL_ENV) == 0
+    assert "overload_manager" not in yaml.safe_load(out.read_text())
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--memory-limit", "1.5Gi"], "memory quantity '1.5Gi'"),
+    (["--memory-limit", "64Mi"], "leaves room for 0 connections"),
+    (["--health-listen", "9902"], "--health-listen='9902': must be HOST:PORT"),
+])
+def test_the_cli_refuses_what_it_cannot_generate_with_exit_2(flags: list[str], message: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.cli import main
+
+    assert main(["envoy-config", *flags], environ=LOCAL_ENV) == 2
+    assert message in capsys.readouterr().err
