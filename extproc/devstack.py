@@ -23,10 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from .config import load_settings
-from .envoyconf import build_envoy_config
+from .envoyconf import render_envoy_config
 
 SIM_MODEL = "sim-model"
 
@@ -286,13 +284,12 @@ class LocalStack:
         kwargs = {
             "listen_host": "127.0.0.1", "listen_port": self.envoy_port,
             "admin_host": "127.0.0.1", "admin_port": self.envoy_admin_port,
-            "extproc_host": "127.0.0.1", "extproc_port": self.service.grpc_port, **self.envoy_args,
+            "extproc_host": "127.0.0.1", "extproc_port": self.service.grpc_port,
+            "ext_proc": self.with_extproc,  # False: Envoy straight to the engine (the benchmark's `none` mode)
+            "memory_limit_bytes": None,  # no container limit here: no overload manager
+            **self.envoy_args,
         }
-        doc = build_envoy_config(settings, **kwargs)  # type: ignore[arg-type]
-        if not self.with_extproc:  # Envoy straight to the engine (the benchmark's `none` mode)
-            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-            hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-        text = yaml.safe_dump(doc, sort_keys=False)
+        text = render_envoy_config(settings, **kwargs)
         path = self.workdir / "envoy.yaml"
         path.write_text(text)
         return path
