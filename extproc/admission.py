@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from prometheus_client import Gauge
 
@@ -280,8 +281,8 @@ class Admission:
         """The engine's state changed (here or, with a shared ledger, on another replica)."""
         self._arm_timer(engine)
 
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return task
@@ -331,7 +332,10 @@ class Admission:
         nothing here, and a scrape always sees the state as it is (prometheus_client calls each
         function while collecting, on the event loop thread that serves /metrics)."""
         entry = self._engines[engine]
-        gate = lambda: self.gate(engine)  # noqa: E731  (a shared ledger replaces the gate object)
+
+        def gate() -> EngineGate:  # looked up on each read: a shared ledger replaces the gate object
+            return self.gate(engine)
+
         reads: list[tuple[Gauge, Callable[[], float]]] = [
             (metrics.queue_depth, lambda: len(entry.parked)),
             (metrics.inflight, lambda: len(entry.open)),

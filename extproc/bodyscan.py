@@ -208,13 +208,13 @@ def scan_body(body: bytes) -> BodyFacts:
         model=model,
         stream=stream is True,
         prompt_bytes=prompt_bytes,
-        max_tokens=kept.get("max_tokens"),  # type: ignore[arg-type]
-        max_completion_tokens=kept.get("max_completion_tokens"),  # type: ignore[arg-type]
+        max_tokens=_kept_int(kept, "max_tokens"),
+        max_completion_tokens=_kept_int(kept, "max_completion_tokens"),
         messages=messages,
         tools_bytes=tools_bytes,
         prompt_token_ids=token_ids,
-        n=kept.get("n"),  # type: ignore[arg-type]
-        best_of=kept.get("best_of"),  # type: ignore[arg-type]
+        n=_kept_int(kept, "n"),
+        best_of=_kept_int(kept, "best_of"),
     )
 
 
@@ -233,6 +233,12 @@ class _Reader:
             return self._body[pos:pos + size]
         tail, self._tail = self._tail, b""
         return tail
+
+
+def _kept_int(kept: dict[str, object], name: str) -> int | None:
+    """A kept integer once the _INVALID ones are refused: its int, or None when absent or null."""
+    value = kept.get(name)
+    return value if isinstance(value, int) else None
 
 
 def _as_int(value: object) -> object:

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -228,7 +228,10 @@ def _redis_url(name: str, raw: str) -> str:
     return url
 
 
-def _cast(name: str, raw: object, kind: Callable[[str], Any], what: str) -> Any:
+_Number = TypeVar("_Number", int, float)
+
+
+def _cast(name: str, raw: object, kind: Callable[[str], _Number], what: str) -> _Number:
     try:
         value = kind(str(raw).strip())
     except (TypeError, ValueError):
@@ -308,9 +311,12 @@ def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | Non
 
     d = defaults
     got = pick("max_inflight", "ADMISSION_MAX_INFLIGHT")
-    if got is None and d is None:
-        got = ("VLLM_MAX_NUM_SEQS", source.get("VLLM_MAX_NUM_SEQS") or 4)
-    max_inflight = _int(*got, 1) if got else d.max_inflight  # type: ignore[union-attr]
+    if got is not None:
+        max_inflight = _int(*got, 1)
+    elif d is not None:
+        max_inflight = d.max_inflight
+    else:
+        max_inflight = _int("VLLM_MAX_NUM_SEQS", source.get("VLLM_MAX_NUM_SEQS") or 4, 1)
     got = pick("kv_threshold", "ADMISSION_KV_THRESHOLD")
     kv = _float(*got, 0.0, 1.0, low_open=True) if got else (d.kv_threshold if d else 0.90)
     got = pick("max_queue_depth", "VLLM_MAX_QUEUE_DEPTH")

@@ -459,11 +459,14 @@ class EngineGate:
 
     def _learn_generation(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
         """Fold the requests the engine finished between two scrapes into the generation mean."""
-        if before is None or None in (before.generated_sum, before.generated_count,
-                                      after.generated_sum, after.generated_count):
+        if before is None:
             return
-        count = after.generated_count - before.generated_count  # type: ignore[operator]
-        total = after.generated_sum - before.generated_sum  # type: ignore[operator]
+        sum_before, count_before = before.generated_sum, before.generated_count
+        sum_after, count_after = after.generated_sum, after.generated_count
+        if sum_before is None or count_before is None or sum_after is None or count_after is None:
+            return
+        count = count_after - count_before
+        total = sum_after - sum_before
         if count <= 0 or total < 0:
             return  # nothing finished, or the engine restarted (its counters went back)
         mean = total / count

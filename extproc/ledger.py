@@ -197,10 +197,13 @@ class RedisLedger:
 
         # No retries inside a call (the decision's time bound is ours), no cloud maintenance
         # handshake (a plain Redis answers it with an error on every connection).
-        options = dict(socket_connect_timeout=max(timeout, 1.0), retry=Retry(NoBackoff(), 0), decode_responses=True,
-                       maint_notifications_config=MaintNotificationsConfig(enabled=False))
-        self._client = redis.Redis.from_url(url, socket_timeout=max(timeout, 0.5), **options)
-        self._pubsub_client = redis.Redis.from_url(url, socket_timeout=None, **options)
+        def connect(socket_timeout: float | None) -> redis.Redis:
+            return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=max(timeout, 1.0),
+                                        retry=Retry(NoBackoff(), 0), decode_responses=True,
+                                        maint_notifications_config=MaintNotificationsConfig(enabled=False))
+
+        self._client = connect(max(timeout, 0.5))
+        self._pubsub_client = connect(None)
         self._commit = self._client.register_script(_COMMIT)
         self._check = self._client.register_script(_CHECK)
         self._shared = {name: _Shared() for name in limits}
