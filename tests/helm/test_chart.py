@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,10 @@ import pytest
 import yaml
 
 from ..observability.tools import promtool  # noqa: F401  (fixture)
-from .conftest import CHART, NAMESPACE, ROOT, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered, helm, with_engines
+from extproc.envoyconf import INFERENCE_STAT_PREFIX
+
+from .conftest import (CHART, NAMESPACE, ROOT, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered, envoy_validate, helm,
+                       mounted_file, with_engines)
 
 KUBERNETES_VERSION = "1.35.0"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # kubernetes-validate ships no CRD schemas
@@ -53,6 +55,11 @@ def test_default_shape_is_one_deployment_with_envoy_and_the_service(chart: Chart
     assert [c["name"] for c in r.deployment["spec"]["template"]["spec"]["containers"]] == ["envoy", "admission"]
     assert r.container("envoy")["image"].startswith("envoyproxy/envoy:v1.40.")
     assert r.container("admission")["command"][:2] == ["extproc", "serve"]
+    # Envoy's config is written at pod start by the service's own image, not kept in the chart.
+    assert [c["name"] for c in r.deployment["spec"]["template"]["spec"]["initContainers"]] == ["envoy-config"]
+    assert r.init_container()["image"] == r.container("admission")["image"]
+    assert r.init_container()["command"][:2] == ["extproc", "envoy-config"]
+    assert "envoy.yaml" not in r.one("ConfigMap", "-envoy")["data"]
 
 
 def test_the_service_listens_for_grpc_and_debug_on_loopback_and_only_for_probes_on_all_addresses(rendered: Rendered) -> None:
@@ -98,8 +105,12 @@ def test_probes_check_envoy_ready_and_the_service_readyz_and_healthz(rendered: R
 
 def test_envoy_drains_in_prestop_and_the_grace_period_covers_the_drain(rendered: Rendered) -> None:
     envoy, service = rendered.container("envoy"), rendered.container("admission")
-    assert envoy["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/bash", "/etc/envoy/prestop.sh"]
-    script = rendered.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
+    pod = rendered.deployment["spec"]["template"]["spec"]
+    command = envoy["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "/bin/bash"
+    volume, name = mounted_file(pod, envoy, command[1])
+    assert volume["configMap"]["name"] == rendered.one("ConfigMap", "-envoy")["metadata"]["name"]
+    script = rendered.one("ConfigMap", "-envoy")["data"][name]
     # Graceful and without closing the listeners: new connections are served while the pod's
     # removal from the endpoints spreads, for at least envoy.drainTimeSeconds.
     assert "POST '/drain_listeners?graceful&skip_exit'" in script
@@ -108,6 +119,9 @@ def test_envoy_drains_in_prestop_and_the_grace_period_covers_the_drain(rendered:
     park = _park_cap(rendered)
     merged_allowance = _merged(rendered)["shutdown"]["inflightAllowanceSeconds"]
     assert drain == math.ceil(park) + merged_allowance
+    # It reads the generated inference listener's stat prefix.
+    assert f"s/^http\\.{INFERENCE_STAT_PREFIX}\\.downstream_rq_active: //p" in script
+    assert _hcm(rendered.envoy)["stat_prefix"] == INFERENCE_STAT_PREFIX
     # The service keeps serving until Envoy is gone, then gets its own --grace.
     wait = service["lifecycle"]["preStop"]["exec"]["command"]
     assert wait[:2] == ["python", "-c"] and f"time.monotonic() + {drain + 2}" in wait[2]
@@ -122,6 +136,8 @@ def test_resources_have_requests_and_limits_for_both_containers(rendered: Render
         resources = rendered.container(name)["resources"]
         assert set(resources) == {"requests", "limits"}, name
         assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
+    # The init container gets Envoy's: it never raises what the pod requests.
+    assert rendered.init_container()["resources"] == rendered.container("envoy")["resources"]
 
 
 @pytest.mark.parametrize(
@@ -174,8 +190,29 @@ def test_engines_config_and_env_are_accepted_by_the_service_itself(rendered: Ren
     assert settings.retry_after_seconds == a["retryAfterSeconds"] and list(settings.gated_paths) == a["gatedPaths"]
 
 
-def test_rendered_envoy_config_is_exactly_what_the_service_generator_builds(rendered: Rendered, tmp_path: Path) -> None:
-    """The chart's template and extproc/envoyconf.py make the same choices, field for field."""
+def test_envoy_reads_the_config_its_init_container_writes_from_the_services_settings(rendered: Rendered) -> None:
+    """One emptyDir from the init container's --output to Envoy's --config-path (checked on every
+    rendering, conftest.run_envoy_config); the init container reads the service's settings: the
+    same env but the ledger's connection (the Redis URL: the Envoy config does not depend on it),
+    the same engines file."""
+    pod = rendered.deployment["spec"]["template"]["spec"]
+    init, envoy, service = rendered.init_container(), rendered.container("envoy"), rendered.container("admission")
+    written, path = mounted_file(pod, init, init["command"][init["command"].index("--output") + 1])
+    assert written == {"name": "envoy-config", "emptyDir": {"sizeLimit": "1Mi"}}
+    assert mounted_file(pod, envoy, envoy["args"][envoy["args"].index("--config-path") + 1]) == (written, path)
+    assert [m for m in envoy["volumeMounts"] if m["name"] == "envoy-config"][0]["readOnly"] is True
+    ledger = {"ADMISSION_LEDGER", "ADMISSION_REDIS_URL", "ADMISSION_LEDGER_LEASE_SECONDS", "ADMISSION_LEDGER_TIMEOUT_MS",
+              "ADMISSION_LEDGER_KEY_PREFIX", "ADMISSION_REPLICA_ID"}
+    assert init["env"] == [e for e in service["env"] if e["name"] not in ledger]
+    assert init.get("envFrom") == service.get("envFrom")
+    assert mounted_file(pod, init, rendered.env()["EXTPROC_CONFIG"]) == mounted_file(pod, service, rendered.env()["EXTPROC_CONFIG"])
+    assert init["securityContext"] == service["securityContext"]
+
+
+def test_the_init_container_passes_what_only_the_chart_knows(rendered: Rendered, tmp_path: Path) -> None:
+    """The generated config is the generator's for the service's settings and the chart's values
+    for Envoy's ports, the ext_proc address, failureMode, the first-token allowance and the memory
+    limit (read here from the values, not from the init container's arguments)."""
     from extproc.envoyconf import build_envoy_config, memory_bytes
 
     settings = _service_settings(rendered, tmp_path)
@@ -184,33 +221,28 @@ def test_rendered_envoy_config_is_exactly_what_the_service_generator_builds(rend
         settings,
         listen_host="0.0.0.0", listen_port=merged["envoy"]["port"],
         admin_host="127.0.0.1", admin_port=merged["envoy"]["adminPort"],
+        health_port=merged["envoy"]["healthPort"],
         extproc_host="127.0.0.1", extproc_port=merged["admission"]["grpcPort"],
         failure_mode=merged["admission"]["failureMode"],
-        stream_idle_timeout=settings.max_park_seconds + merged["envoy"]["firstTokenAllowanceSeconds"],
+        first_token_allowance=merged["envoy"]["firstTokenAllowanceSeconds"],
         memory_limit_bytes=memory_bytes(merged["envoy"]["resources"]["limits"]["memory"]),
         downstream_connections=merged["envoy"].get("maxDownstreamConnections"),
     )
-    got = rendered.envoy
-    # The chart's only addition: the health listener (exempt from the connection cap) and the
-    # admin cluster it forwards to.
-    resources = got["static_resources"]
-    health = next(lst for lst in resources["listeners"] if lst["name"] == "envoy_health")
-    assert health["ignore_global_conn_limit"] is True
-    resources["listeners"] = [lst for lst in resources["listeners"] if lst["name"] != "envoy_health"]
-    resources["clusters"] = [c for c in resources["clusters"] if c["name"] != "envoy_admin"]
-    assert got == expected
+    assert rendered.envoy == expected
 
 
-def test_envoy_accepts_the_rendered_config(rendered: Rendered, tmp_path: Path) -> None:
-    path = tmp_path / "envoy.yaml"
-    path.write_text(rendered.envoy_text)
-    envoy = Path(sys.executable).parent / "envoy"
-    result = subprocess.run([str(envoy), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"configuration '{path}' OK" in result.stdout
+def test_envoy_accepts_the_rendered_config(rendered: Rendered) -> None:
+    assert envoy_validate(rendered.envoy_text) == ""
 
 
-@pytest.mark.parametrize("park", [1, 30.5, 120, 300, 3600])
+def test_a_park_cap_beyond_envoys_ext_proc_limit_fails_the_init_container_saying_why(chart: Chart) -> None:
+    """Envoy bounds ext_proc's max_message_timeout (park cap + 10 s) at 1 h."""
+    run = chart.render({"admission": {"maxParkSeconds": 3600}}, envoy_config_fails=True).envoy_config_run
+    assert run is not None and run.returncode == 2
+    assert "no engine may park longer than 3590s" in run.stderr
+
+
+@pytest.mark.parametrize("park", [1, 30.5, 120, 300, 3590])
 def test_timeouts_follow_the_park_cap(chart: Chart, park: float) -> None:
     r = chart.render({"admission": {"maxParkSeconds": park}})
     hcm = _hcm(r.envoy)
@@ -298,11 +330,17 @@ def test_ext_proc_cluster_is_http2_with_circuit_breakers_at_max_streams(chart: C
 
 
 def test_a_config_change_rolls_the_pods(chart: Chart) -> None:
-    before = chart.render().deployment["spec"]["template"]["metadata"]["annotations"]
-    after = chart.render({"admission": {"maxParkSeconds": 60}}).deployment["spec"]["template"]["metadata"]["annotations"]
-    assert before["checksum/envoy"] != after["checksum/envoy"]
+    """A pod rolls when its template changes: the Envoy config follows the init container's env and
+    flags (in the template) and the engines file (its checksum)."""
+    before = chart.render().deployment["spec"]["template"]
+    after = chart.render({"admission": {"maxParkSeconds": 60}}).deployment["spec"]["template"]
+    assert before["spec"]["initContainers"] != after["spec"]["initContainers"]
+    assert before["metadata"]["annotations"]["checksum/envoy"] != after["metadata"]["annotations"]["checksum/envoy"]  # preStop
+    failure = chart.render({"admission": {"failureMode": "closed"}}).deployment["spec"]["template"]
+    assert before["spec"]["initContainers"] != failure["spec"]["initContainers"]
     models = chart.render({"engines": [{"name": "vllm", "url": "http://vllm:8000", "models": ["other"]}]})
-    assert before["checksum/engines"] != models.deployment["spec"]["template"]["metadata"]["annotations"]["checksum/engines"]
+    annotations = models.deployment["spec"]["template"]["metadata"]["annotations"]
+    assert before["metadata"]["annotations"]["checksum/engines"] != annotations["checksum/engines"]
 
 
 def test_service_monitor_and_prometheus_rule_are_off_by_default(chart: Chart) -> None:
@@ -438,15 +476,24 @@ def test_envoys_overload_manager_is_sized_from_its_memory_limit_and_the_body_cap
     assert monitors["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"] == connections
 
 
+def test_an_envoy_without_a_memory_limit_is_refused_at_render(chart: Chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape("envoy.resources.limits.memory must be set")):
+        chart.render({"envoy": {"resources": {"limits": {"memory": None}}}})
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"envoy": {"resources": {"limits": {"memory": None}}}}, "envoy.resources.limits.memory must be set"),
-        ({"envoy": {"resources": {"limits": {"memory": "1.5Gi"}}}}, 'envoy.resources.limits.memory="1.5Gi": want an integer'),
+        ({"envoy": {"resources": {"limits": {"memory": "1.5Gi"}}}}, "memory quantity '1.5Gi': want an integer"),
         ({"envoy": {"resources": {"limits": {"memory": "256Mi"}}}, "admission": {"maxBodyBytes": 16 << 20}},
-         "envoy.resources.limits.memory=256Mi leaves room for 3 connections"),
+         "Envoy's memory limit (268435456 bytes) leaves room for 3 connections"),
     ],
 )
-def test_an_envoy_memory_limit_that_cannot_size_the_caps_is_refused(chart: Chart, values: dict[str, Any], message: str) -> None:
-    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
-        chart.render(values)
+def test_an_envoy_memory_limit_that_cannot_size_the_caps_fails_the_init_container_saying_why(
+        chart: Chart, values: dict[str, Any], message: str) -> None:
+    """The generator sizes the caps, so its refusal comes at pod start: the envoy-config init
+    container exits 2 with the reason in its log, and Envoy never starts with a config that would
+    let it be OOM-killed."""
+    run = chart.render(values, envoy_config_fails=True).envoy_config_run
+    assert run is not None and run.returncode == 2
+    assert message in run.stderr

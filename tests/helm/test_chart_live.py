@@ -1,8 +1,10 @@
 """The chart's rendered pod, run for real: Envoy and the service with exactly the rendered config.
 
-Outside Kubernetes, but otherwise as the kubelet would run it: the Envoy bootstrap and the
-engines file from the ConfigMaps, the service's environment and both containers' arguments from
-the Deployment, the probes' paths, and the two preStop hooks, against the engine simulator.
+Outside Kubernetes, but otherwise as the kubelet would run it: first the envoy-config init
+container's command (`extproc envoy-config`, as a process, with its rendered env and arguments:
+it writes the Envoy bootstrap), then Envoy and the service with the engines file from the
+ConfigMap, the service's environment and both containers' arguments from the Deployment, the
+probes' paths, and the two preStop hooks, against the engine simulator.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from extproc.devstack import Child, free_port, http_get, wait_until
 
@@ -62,6 +65,23 @@ class Pod:
         return "\n".join(f"----- {c.name} -----\n{c.log_tail()}" for c in (self.sim, self.service, self.envoy))
 
 
+def _generate_envoy_config(rendered: Rendered, engines: Path, output: Path, extproc: str | None = None) -> None:
+    """Run the init container's command as a process, with its rendered env and arguments; only
+    the engines file's and the output's paths are local ones (and, given `extproc`, the service's
+    address: outside the cluster its Service's DNS name resolves to nothing)."""
+    init = rendered.init_container()
+    argv = init["command"] + init.get("args", [])
+    argv[argv.index("--output") + 1] = str(output)
+    if extproc is not None:
+        argv[argv.index("--extproc") + 1] = extproc
+    env = {e["name"]: e["value"] for e in init["env"]}
+    env["EXTPROC_CONFIG"] = str(engines)
+    result = subprocess.run([str(BIN / argv[0]), *argv[1:]], env={"PATH": str(BIN), **env}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert output.is_file()
+
+
 def _probe(container: dict[str, Any], kind: str, ports: dict[str, int]) -> str:
     get = container[kind]["httpGet"]
     return f"http://127.0.0.1:{ports[get['port']]}{get['path']}"
@@ -80,7 +100,7 @@ def pod(chart: Chart, tmp_path: Path) -> Iterator[Pod]:
     chart_values = {k: v for k, v in values.items() if k != "sim"}
     rendered = chart.render(chart_values)
     (tmp_path / "engines.yaml").write_text(rendered.engines_yaml)
-    (tmp_path / "envoy.yaml").write_text(rendered.envoy_text)
+    _generate_envoy_config(rendered, tmp_path / "engines.yaml", tmp_path / "envoy.yaml")
 
     env = rendered.env()
     env["EXTPROC_CONFIG"] = str(tmp_path / "engines.yaml")
@@ -167,9 +187,10 @@ def test_prestop_drains_envoy_until_the_request_in_flight_ends_then_the_service_
 
 def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Chart, tmp_path: Path) -> None:
     """shape=shared for real on loopback: the extproc Deployment's container as rendered (gRPC on
-    0.0.0.0), two Envoys with the rendered bootstrap (only the Service's DNS name replaced by
-    127.0.0.1, the rest, STRICT_DNS included, as rendered), one simulator. A request through each
-    Envoy is decided by the one ledger; with the service gone, Envoy fails open as documented."""
+    0.0.0.0), two Envoys with the bootstrap their init containers write (only the Service's DNS
+    name replaced by `localhost`, so the cluster is STRICT_DNS as in the cluster), one simulator.
+    A request through each Envoy is decided by the one ledger; with the service gone, Envoy fails
+    open as documented."""
     sim_port, grpc_port, admin_port = free_port(), free_port(), free_port()
     base = {
         "shape": "shared",
@@ -193,10 +214,12 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
         Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env}, tmp_path / "admission.log"),
     ]
     for i, r in enumerate(renders):
-        text = r.envoy_text
-        assert text.count(f"address: {dns}\n") == 1
+        assert r.envoy_text.count(f"address: {dns}\n") == 1
         config = tmp_path / f"envoy-{i}.yaml"
-        config.write_text(text.replace(f"address: {dns}\n", "address: 127.0.0.1\n"))
+        _generate_envoy_config(r, tmp_path / "engines.yaml", config, extproc=f"localhost:{grpc_port}")
+        clusters = yaml.safe_load(config.read_text())["static_resources"]["clusters"]
+        extproc = next(c for c in clusters if c["name"] == "extproc")
+        assert extproc["type"] == "STRICT_DNS"
         args = r.container("envoy")["args"]
         args[args.index("--config-path") + 1] = str(config)
         children.append(Child(f"envoy-{i}", [str(BIN / "envoy"), *args], {"PATH": str(BIN)}, tmp_path / f"envoy-{i}.log"))

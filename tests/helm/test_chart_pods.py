@@ -89,7 +89,10 @@ def test_extra_volumes_mounts_and_env_from_reach_the_containers(chart: Chart) ->
         "envoy": {"extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}]},
     }
     for shape in ("sidecar", "shared"):
-        r = chart.render({**values, "shape": shape})
+        # The tokenizer's ConfigMap is the operator's: its file stands in for it where the
+        # envoy-config init container is run (it mounts what the service mounts).
+        r = chart.render({**values, "shape": shape}, volume_files={"tokenizer": {"tokenizer.json": "{}"}})
+        assert {"name": "tokenizer", "mountPath": "/tokenizer", "readOnly": True} in r.init_container()["volumeMounts"]
         admission, envoy = r.container("admission"), r.container("envoy")
         assert {"name": "tokenizer", "mountPath": "/tokenizer", "readOnly": True} in admission["volumeMounts"]
         assert admission["envFrom"] == [{"secretRef": {"name": "hf-token"}}]

@@ -45,9 +45,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/*
-The park cap Envoy's timeouts are sized from: the longest park any engine allows, exactly as
-Settings.max_park_seconds computes it (an engine's maxParkSeconds, else admission.maxParkSeconds).
-Returns a number as a string; callers convert with float64.
+The park cap the shutdown timings are sized from (Envoy's preStop drain, the pods' grace
+period): the longest park any engine allows, exactly as Settings.max_park_seconds computes it (an
+engine's maxParkSeconds, else admission.maxParkSeconds). Returns a number as a string; callers
+convert with float64. (Envoy's own timeouts come from the generator, which reads the settings.)
 */}}
 {{- define "llm-admission.parkCap" -}}
 {{- $max := 0.0 -}}
@@ -59,7 +60,7 @@ Returns a number as a string; callers convert with float64.
 {{- $max -}}
 {{- end -}}
 
-{{/* Whole seconds, rounded up, as extproc/envoyconf.py's _seconds does. */}}
+{{/* Whole seconds, rounded up. */}}
 {{- define "llm-admission.ceilSeconds" -}}
 {{- int64 (ceil (float64 .)) -}}
 {{- end -}}
@@ -95,17 +96,8 @@ drain can wait the whole park cap, then needs time to generate. */}}
 {{- add (include "llm-admission.ceilSeconds" (include "llm-admission.parkCap" .)) (int64 .Values.shutdown.inflightAllowanceSeconds) -}}
 {{- end -}}
 
-{{/* Concurrent requests one Envoy may have on an engine's gated cluster: what the gate admits, max
-in-flight (the engine's own or the default) + the engine queue slots when the KV budget is on
-(extproc/envoyconf.py engine_bound). Argument: dict ctx, engine. */}}
-{{- define "llm-admission.engineBound" -}}
-{{- $a := .ctx.Values.admission -}}
-{{- $inflight := int64 (ternary .engine.maxInflight $a.maxInflight (hasKey .engine "maxInflight")) -}}
-{{- $slots := ternary (int64 $a.engineQueueSlots) 0 (and $a.kvBudget $a.localAccounting) -}}
-{{- add $inflight $slots -}}
-{{- end -}}
-
-{{/* Envoy's stat prefix of the inference listener; the preStop reads its downstream_rq_active. */}}
+{{/* Envoy's stat prefix of the inference listener (extproc/envoyconf.py INFERENCE_STAT_PREFIX;
+tests/helm holds them equal); the preStop reads its downstream_rq_active. */}}
 {{- define "llm-admission.statPrefix" -}}inference{{- end -}}
 
 {{/* "host port" of an http:// URL (the schema only admits http://host[:port][/path]). */}}
@@ -117,45 +109,6 @@ in-flight (the engine's own or the default) + the engine queue slots when the KV
 {{- else -}}
 {{- printf "%s 80" (lower $u.host) -}}
 {{- end -}}
-{{- end -}}
-
-{{/* An Envoy cluster, as extproc/envoyconf.py's _cluster builds it. Arguments: dict with name,
-host, port, http2 (bool), maxRequests, connectTimeout. */}}
-{{- define "llm-admission.envoyCluster" -}}
-{{- $isIP := regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$" .host -}}
-- name: {{ .name }}
-  type: {{ ternary "STATIC" "STRICT_DNS" $isIP }}
-  connect_timeout: {{ .connectTimeout }}
-  circuit_breakers:
-    thresholds:
-    - priority: DEFAULT
-      max_connections: {{ .maxConnections | default .maxRequests }}
-      max_pending_requests: {{ .maxConnections | default .maxRequests }}
-      max_requests: {{ .maxRequests }}
-      max_retries: 3
-  load_assignment:
-    cluster_name: {{ .name }}
-    endpoints:
-    - lb_endpoints:
-      - endpoint:
-          address:
-            socket_address:
-              address: {{ .host }}
-              port_value: {{ .port }}
-  {{- if not $isIP }}
-  dns_lookup_family: V4_PREFERRED
-  {{- end }}
-  {{- if .http2 }}
-  typed_extension_protocol_options:
-    envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-      "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-      explicit_http_config:
-        http2_protocol_options:
-          max_concurrent_streams: {{ .maxRequests }}
-          connection_keepalive:
-            interval: 30s
-            timeout: 5s
-  {{- end }}
 {{- end -}}
 
 {{/* ------------------------------------------------------------------------------------------
@@ -186,13 +139,14 @@ fullname-extproc (the one admission service every Envoy's ext_proc cluster point
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* host and port ("host port") of the admission service as Envoy's ext_proc cluster sees it:
-loopback in the sidecar shape, the shared Service's cluster DNS name in the shared shape. */}}
+{{/* HOST:PORT of the admission service as Envoy's ext_proc cluster sees it: loopback in the
+sidecar shape, the shared Service's cluster DNS name in the shared shape (the generator makes a
+name STRICT_DNS: it resolves to the Service's ClusterIP). */}}
 {{- define "llm-admission.extprocHostPort" -}}
 {{- if eq .Values.shape "shared" -}}
-{{- printf "%s.%s.svc.%s %d" (include "llm-admission.extprocName" .) .Release.Namespace .Values.clusterDomain (int64 .Values.admission.grpcPort) -}}
+{{- printf "%s.%s.svc.%s:%d" (include "llm-admission.extprocName" .) .Release.Namespace .Values.clusterDomain (int64 .Values.admission.grpcPort) -}}
 {{- else -}}
-{{- printf "127.0.0.1 %d" (int64 .Values.admission.grpcPort) -}}
+{{- printf "127.0.0.1:%d" (int64 .Values.admission.grpcPort) -}}
 {{- end -}}
 {{- end -}}
 
@@ -268,9 +222,77 @@ runs in the same pod and only starts stopping once Envoy is gone (sidecar). */}}
 {{- end -}}
 
 {{/*
+Envoy's bootstrap comes from the admission service's own image: this init container runs
+`extproc envoy-config` (extproc/envoyconf.py, the one place the Envoy config is written) with
+the service's settings (llm-admission.admissionEnv, the engines file) and, as flags, what only
+the chart knows: Envoy's listen, admin and health ports, where the service is (the shared
+Service's DNS name in the shared shape), failureMode, the first-token allowance, and Envoy's
+memory limit for the overload manager. It mounts what the service mounts (the engines file,
+admission.extraVolumeMounts) and writes /etc/envoy/envoy.yaml into the "envoy-config" emptyDir
+the Envoy container reads. Why an init container rather than a template: a template
+re-derived every choice of the generator (park cap, margins, routes, local replies, overload
+manager) in Go templates and drifted; this way there is no second copy, and the config is the
+one the service's version means. A value the generator refuses (a memory limit too small for the
+body cap, say) fails this container at pod start with the reason in its log
+(`kubectl logs POD -c envoy-config`). Its resources are Envoy's, so it never raises the pod's
+requests.
+*/}}
+{{- define "llm-admission.envoyConfigInit" -}}
+{{- $e := .Values.envoy -}}
+{{- $memory := "" -}}
+{{- with $e.resources }}{{ with .limits }}{{ with .memory }}{{ $memory = . }}{{ end }}{{ end }}{{ end -}}
+{{- if not $memory -}}
+{{- fail "envoy.resources.limits.memory must be set: it sizes Envoy's overload manager (heap cap) and its connection cap against the per-connection buffer (admission.maxBodyBytes)" -}}
+{{- end -}}
+{{- if or (kindIs "float64" $memory) (kindIs "int64" $memory) (kindIs "int" $memory) }}{{ $memory = int64 $memory }}{{ end -}}
+- name: envoy-config
+  image: "{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+  - extproc
+  - envoy-config
+  - --output
+  - /etc/envoy/envoy.yaml
+  - --listen
+  - "0.0.0.0:{{ int64 $e.port }}"
+  - --admin
+  - "127.0.0.1:{{ int64 $e.adminPort }}"
+  - --health-listen
+  - "0.0.0.0:{{ int64 $e.healthPort }}"
+  - --extproc
+  - {{ include "llm-admission.extprocHostPort" . | quote }}
+  - --failure-mode
+  - {{ .Values.admission.failureMode }}
+  - --first-token-allowance
+  - {{ $e.firstTokenAllowanceSeconds | toString | quote }}
+  - --memory-limit
+  - {{ $memory | toString | quote }}
+  {{- with $e.maxDownstreamConnections }}
+  - --max-downstream-connections
+  - {{ int64 . | quote }}
+  {{- end }}
+  {{- include "llm-admission.admissionEnv" (dict "ctx" . "ledger" false) | nindent 2 }}
+  resources:
+    {{- toYaml $e.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+  - name: envoy-config
+    mountPath: /etc/envoy
+  - name: engines
+    mountPath: /etc/llm-admission
+    readOnly: true
+  {{- /* The service's mounts: a setting may name a file on them (estimate.tokenizer). */}}
+  {{- with .Values.admission.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/*
 The Envoy container, the same in both shapes: --concurrency from the CPU limit, the health
-listener's probes, the preStop drain (configmap-envoy.yaml's prestop.sh). Its config volume is
-"envoy-config" (llm-admission.envoyVolumes).
+listener's probes, the preStop drain (configmap-envoy.yaml's prestop.sh, volume "envoy-hooks").
+Its config is what the envoy-config init container wrote into the "envoy-config" emptyDir
+(llm-admission.envoyConfigInit, llm-admission.envoyVolumes).
 */}}
 {{- define "llm-admission.envoyContainer" -}}
 - name: envoy
@@ -317,7 +339,7 @@ listener's probes, the preStop drain (configmap-envoy.yaml's prestop.sh). Its co
   lifecycle:
     preStop:
       exec:
-        command: [/bin/bash, /etc/envoy/prestop.sh]
+        command: [/bin/bash, /etc/envoy-hooks/prestop.sh]
   resources:
     {{- toYaml .Values.envoy.resources | nindent 4 }}
   securityContext:
@@ -325,6 +347,9 @@ listener's probes, the preStop drain (configmap-envoy.yaml's prestop.sh). Its co
   volumeMounts:
   - name: envoy-config
     mountPath: /etc/envoy
+    readOnly: true
+  - name: envoy-hooks
+    mountPath: /etc/envoy-hooks
     readOnly: true
   {{- with .Values.envoy.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
@@ -339,11 +364,151 @@ find theirs in whichever pod runs it. */}}
 {{- end }}
 {{- end -}}
 
-{{/* The volume the Envoy container mounts. */}}
+{{/* The volumes the Envoy container and its config init container mount (the init container
+also mounts "engines", llm-admission.admissionVolumes): the generated bootstrap, written at pod
+start, and the preStop hook. */}}
 {{- define "llm-admission.envoyVolumes" -}}
 - name: envoy-config
+  emptyDir:
+    sizeLimit: 1Mi
+- name: envoy-hooks
   configMap:
     name: {{ include "llm-admission.fullname" . }}-envoy
+{{- end -}}
+
+{{/*
+The admission service's settings as environment (and envFrom): the service container's, and the
+Envoy pods' config init container's, so that both read the same settings by construction.
+Argument: dict ctx, ledger (bool: include the ledger's connection settings, the Redis URL among
+them; the init container leaves them out: the Envoy config does not depend on them, and the
+shared shape's Envoy pods get no Redis credential; tests/unit/test_envoyconf.py holds that).
+*/}}
+{{- define "llm-admission.admissionEnv" -}}
+{{- $ctx := .ctx -}}
+{{- $a := $ctx.Values.admission -}}
+{{- $shared := eq $ctx.Values.shape "shared" -}}
+env:
+- name: EXTPROC_CONFIG
+  value: /etc/llm-admission/engines.yaml
+- name: EXTPROC_LISTEN
+  value: "{{ ternary "0.0.0.0" "127.0.0.1" $shared }}:{{ int64 $a.grpcPort }}"
+# The full admin interface (/debug/engines: the ledger and every model) stays on loopback
+# (kubectl port-forward reaches it); the "admin" port serves only what probes and scrapes need.
+- name: EXTPROC_ADMIN_LISTEN
+  value: "127.0.0.1:{{ int64 $a.debugPort }}"
+- name: EXTPROC_PROBE_LISTEN
+  value: "0.0.0.0:{{ int64 $a.adminPort }}"
+- name: ADMISSION_MAX_INFLIGHT
+  value: {{ int64 $a.maxInflight | quote }}
+- name: ADMISSION_KV_THRESHOLD
+  value: {{ $a.kvThreshold | toString | quote }}
+- name: VLLM_MAX_QUEUE_DEPTH
+  value: {{ int64 $a.maxQueueDepth | quote }}
+- name: ADMISSION_MAX_PARK_SECONDS
+  value: {{ $a.maxParkSeconds | toString | quote }}
+- name: ADMISSION_RETRY_AFTER_SECONDS
+  value: {{ int64 $a.retryAfterSeconds | quote }}
+- name: MAX_BODY_BYTES
+  value: {{ int64 $a.maxBodyBytes | quote }}
+- name: ENGINE_POLL_INTERVAL_SECONDS
+  value: {{ $a.pollIntervalSeconds | toString | quote }}
+- name: ENGINE_STALE_AFTER_POLLS
+  value: {{ int64 $a.staleAfterPolls | quote }}
+- name: ADMISSION_LOCAL_ACCOUNTING
+  value: {{ $a.localAccounting | toString | quote }}
+- name: ADMISSION_KV_BUDGET
+  value: {{ $a.kvBudget | toString | quote }}
+- name: ADMISSION_ENGINE_QUEUE_SLOTS
+  value: {{ int64 $a.engineQueueSlots | quote }}
+- name: ADMISSION_WAIT_ESTIMATES
+  value: {{ $a.waitEstimates | toString | quote }}
+- name: ADMISSION_GENERATION_RESERVATION
+  value: {{ $a.generationReservation | quote }}
+- name: ADMISSION_GENERATION_FACTOR
+  value: {{ $a.generationFactor | toString | quote }}
+- name: ADMISSION_BACKFILL
+  value: {{ $a.backfill | toString | quote }}
+- name: ADMISSION_BYTES_PER_TOKEN
+  value: {{ $a.bytesPerToken | toString | quote }}
+- name: ADMISSION_ESTIMATE_SAFETY_FACTOR
+  value: {{ $a.estimateSafetyFactor | toString | quote }}
+- name: ADMISSION_DEFAULT_MAX_TOKENS
+  value: {{ int64 $a.defaultMaxTokens | quote }}
+{{- with $a.estimate }}
+- name: ADMISSION_ESTIMATE
+  value: {{ .mode | quote }}
+{{- if .tokenizer }}
+- name: ADMISSION_TOKENIZER
+  value: {{ .tokenizer | quote }}
+{{- end }}
+- name: ADMISSION_TOKENIZE_ABOVE_BYTES
+  value: {{ int64 .tokenizeAboveBytes | quote }}
+- name: ADMISSION_TOKENIZE_TIMEOUT_MS
+  value: {{ .tokenizeTimeoutMs | toString | quote }}
+- name: ADMISSION_LEARN_BYTES_PER_TOKEN
+  value: {{ .learnBytesPerToken | toString | quote }}
+- name: ADMISSION_BYTES_PER_TOKEN_MIN
+  value: {{ .bytesPerTokenMin | toString | quote }}
+- name: ADMISSION_BYTES_PER_TOKEN_MAX
+  value: {{ .bytesPerTokenMax | toString | quote }}
+- name: ADMISSION_TEMPLATE_TOKENS_FIXED
+  value: {{ int64 .templateTokens.fixed | quote }}
+- name: ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE
+  value: {{ int64 .templateTokens.perMessage | quote }}
+- name: ADMISSION_TEMPLATE_TOKENS_TOOLS
+  value: {{ int64 .templateTokens.tools | quote }}
+{{- end }}
+{{- if $a.kvCapacityTokens }}
+- name: ADMISSION_KV_CAPACITY_TOKENS
+  value: {{ int64 $a.kvCapacityTokens | quote }}
+{{- end }}
+- name: ADMISSION_SCRAPE_GRACE_SECONDS
+  value: {{ $a.scrapeGraceSeconds | toString | quote }}
+- name: ADMISSION_GATED_PATHS
+  value: {{ join "," $a.gatedPaths | quote }}
+- name: ADMISSION_MODELS_REFRESH_SECONDS
+  value: {{ $a.modelsRefreshSeconds | toString | quote }}
+- name: EXTPROC_MAX_STREAMS
+  value: {{ int64 $a.maxStreams | quote }}
+- name: EXTPROC_LOG_LEVEL
+  value: {{ $a.logLevel | quote }}
+- name: EXTPROC_LOG_FORMAT
+  value: {{ $a.logFormat | quote }}
+{{- if .ledger }}
+{{- $l := $ctx.Values.ledger }}
+- name: ADMISSION_LEDGER
+  value: {{ $l.backend | quote }}
+{{- if eq $l.backend "redis" }}
+{{- /* The schema guarantees exactly one of url and existingSecret. */}}
+- name: ADMISSION_REDIS_URL
+{{- if $l.redis.existingSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $l.redis.existingSecret | quote }}
+      key: {{ $l.redis.secretKey | quote }}
+{{- else }}
+  value: {{ $l.redis.url | quote }}
+{{- end }}
+- name: ADMISSION_LEDGER_LEASE_SECONDS
+  value: {{ $l.leaseSeconds | toString | quote }}
+- name: ADMISSION_LEDGER_TIMEOUT_MS
+  value: {{ $l.timeoutMs | toString | quote }}
+- name: ADMISSION_LEDGER_KEY_PREFIX
+  value: {{ include "llm-admission.ledgerKeyPrefix" $ctx | quote }}
+# The pod's name is its replica id in the shared state: a lease expiry names the pod that died.
+- name: ADMISSION_REPLICA_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- end }}
+{{- end }}
+{{- with $a.extraEnv }}
+{{- toYaml . | nindent 0 }}
+{{- end }}
+{{- with $a.envFrom }}
+envFrom:
+{{- toYaml . | nindent 0 }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -361,126 +526,7 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
   image: "{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}"
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   command: [extproc, serve, --grace, {{ $grace | quote }}]
-  env:
-  - name: EXTPROC_CONFIG
-    value: /etc/llm-admission/engines.yaml
-  - name: EXTPROC_LISTEN
-    value: "{{ ternary "0.0.0.0" "127.0.0.1" $shared }}:{{ int64 $a.grpcPort }}"
-  # The full admin interface (/debug/engines: the ledger and every model) stays on loopback
-  # (kubectl port-forward reaches it); the "admin" port serves only what probes and scrapes need.
-  - name: EXTPROC_ADMIN_LISTEN
-    value: "127.0.0.1:{{ int64 $a.debugPort }}"
-  - name: EXTPROC_PROBE_LISTEN
-    value: "0.0.0.0:{{ int64 $a.adminPort }}"
-  - name: ADMISSION_MAX_INFLIGHT
-    value: {{ int64 $a.maxInflight | quote }}
-  - name: ADMISSION_KV_THRESHOLD
-    value: {{ $a.kvThreshold | toString | quote }}
-  - name: VLLM_MAX_QUEUE_DEPTH
-    value: {{ int64 $a.maxQueueDepth | quote }}
-  - name: ADMISSION_MAX_PARK_SECONDS
-    value: {{ $a.maxParkSeconds | toString | quote }}
-  - name: ADMISSION_RETRY_AFTER_SECONDS
-    value: {{ int64 $a.retryAfterSeconds | quote }}
-  - name: MAX_BODY_BYTES
-    value: {{ int64 $a.maxBodyBytes | quote }}
-  - name: ENGINE_POLL_INTERVAL_SECONDS
-    value: {{ $a.pollIntervalSeconds | toString | quote }}
-  - name: ENGINE_STALE_AFTER_POLLS
-    value: {{ int64 $a.staleAfterPolls | quote }}
-  - name: ADMISSION_LOCAL_ACCOUNTING
-    value: {{ $a.localAccounting | toString | quote }}
-  - name: ADMISSION_KV_BUDGET
-    value: {{ $a.kvBudget | toString | quote }}
-  - name: ADMISSION_ENGINE_QUEUE_SLOTS
-    value: {{ int64 $a.engineQueueSlots | quote }}
-  - name: ADMISSION_WAIT_ESTIMATES
-    value: {{ $a.waitEstimates | toString | quote }}
-  - name: ADMISSION_GENERATION_RESERVATION
-    value: {{ $a.generationReservation | quote }}
-  - name: ADMISSION_GENERATION_FACTOR
-    value: {{ $a.generationFactor | toString | quote }}
-  - name: ADMISSION_BACKFILL
-    value: {{ $a.backfill | toString | quote }}
-  - name: ADMISSION_BYTES_PER_TOKEN
-    value: {{ $a.bytesPerToken | toString | quote }}
-  - name: ADMISSION_ESTIMATE_SAFETY_FACTOR
-    value: {{ $a.estimateSafetyFactor | toString | quote }}
-  - name: ADMISSION_DEFAULT_MAX_TOKENS
-    value: {{ int64 $a.defaultMaxTokens | quote }}
-  {{- with $a.estimate }}
-  - name: ADMISSION_ESTIMATE
-    value: {{ .mode | quote }}
-  {{- if .tokenizer }}
-  - name: ADMISSION_TOKENIZER
-    value: {{ .tokenizer | quote }}
-  {{- end }}
-  - name: ADMISSION_TOKENIZE_ABOVE_BYTES
-    value: {{ int64 .tokenizeAboveBytes | quote }}
-  - name: ADMISSION_TOKENIZE_TIMEOUT_MS
-    value: {{ .tokenizeTimeoutMs | toString | quote }}
-  - name: ADMISSION_LEARN_BYTES_PER_TOKEN
-    value: {{ .learnBytesPerToken | toString | quote }}
-  - name: ADMISSION_BYTES_PER_TOKEN_MIN
-    value: {{ .bytesPerTokenMin | toString | quote }}
-  - name: ADMISSION_BYTES_PER_TOKEN_MAX
-    value: {{ .bytesPerTokenMax | toString | quote }}
-  - name: ADMISSION_TEMPLATE_TOKENS_FIXED
-    value: {{ int64 .templateTokens.fixed | quote }}
-  - name: ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE
-    value: {{ int64 .templateTokens.perMessage | quote }}
-  - name: ADMISSION_TEMPLATE_TOKENS_TOOLS
-    value: {{ int64 .templateTokens.tools | quote }}
-  {{- end }}
-  {{- if $a.kvCapacityTokens }}
-  - name: ADMISSION_KV_CAPACITY_TOKENS
-    value: {{ int64 $a.kvCapacityTokens | quote }}
-  {{- end }}
-  - name: ADMISSION_SCRAPE_GRACE_SECONDS
-    value: {{ $a.scrapeGraceSeconds | toString | quote }}
-  - name: ADMISSION_GATED_PATHS
-    value: {{ join "," $a.gatedPaths | quote }}
-  - name: ADMISSION_MODELS_REFRESH_SECONDS
-    value: {{ $a.modelsRefreshSeconds | toString | quote }}
-  - name: EXTPROC_MAX_STREAMS
-    value: {{ int64 $a.maxStreams | quote }}
-  - name: EXTPROC_LOG_LEVEL
-    value: {{ $a.logLevel | quote }}
-  - name: EXTPROC_LOG_FORMAT
-    value: {{ $a.logFormat | quote }}
-  {{- $l := .Values.ledger }}
-  - name: ADMISSION_LEDGER
-    value: {{ $l.backend | quote }}
-  {{- if eq $l.backend "redis" }}
-  {{- /* The schema guarantees exactly one of url and existingSecret. */}}
-  - name: ADMISSION_REDIS_URL
-  {{- if $l.redis.existingSecret }}
-    valueFrom:
-      secretKeyRef:
-        name: {{ $l.redis.existingSecret | quote }}
-        key: {{ $l.redis.secretKey | quote }}
-  {{- else }}
-    value: {{ $l.redis.url | quote }}
-  {{- end }}
-  - name: ADMISSION_LEDGER_LEASE_SECONDS
-    value: {{ $l.leaseSeconds | toString | quote }}
-  - name: ADMISSION_LEDGER_TIMEOUT_MS
-    value: {{ $l.timeoutMs | toString | quote }}
-  - name: ADMISSION_LEDGER_KEY_PREFIX
-    value: {{ include "llm-admission.ledgerKeyPrefix" . | quote }}
-  # The pod's name is its replica id in the shared state: a lease expiry names the pod that died.
-  - name: ADMISSION_REPLICA_ID
-    valueFrom:
-      fieldRef:
-        fieldPath: metadata.name
-  {{- end }}
-  {{- with $a.extraEnv }}
-  {{- toYaml . | nindent 2 }}
-  {{- end }}
-  {{- with $a.envFrom }}
-  envFrom:
-  {{- toYaml . | nindent 2 }}
-  {{- end }}
+  {{- include "llm-admission.admissionEnv" (dict "ctx" . "ledger" true) | nindent 2 }}
   ports:
   {{- if $shared }}
   - name: grpc
@@ -545,86 +591,6 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
 {{- end -}}
 
 {{/*
-Envoy's own answers in the service's shape (extproc/envoyconf.py LOCAL_REPLIES, field for field):
-an OpenAI-style JSON error body, x-admission-outcome, and Retry-After where a retry makes sense.
-The service's own answers (response code details admission_<outcome>) match the first mapper
-and are left exactly as they are; then, first match wins: the engine cluster's breaker (UO),
-the engine unreachable or gone before answering, timeouts, no route, a failed admission service
-with failureMode closed, a gated request no engine was named for (several engines: the route's
-direct 503), Envoy's 413/431/400, and any other local reply with Envoy's status kept.
-*/}}
-{{- define "llm-admission.localReplyConfig" -}}
-{{- $cel := "envoy.access_loggers.extension_filters.cel" -}}
-{{- $celType := "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter" -}}
-{{- $details := "(%RESPONSE_CODE_DETAILS%)" -}}
-{{- $replies := list
-  (dict "code" "engine_overloaded" "status" 503 "type" "service_unavailable" "retry" true
-        "filter" (dict "response_flag_filter" (dict "flags" (list "UO")))
-        "message" "the engine is at capacity and the gateway holds no more requests for it; retry later")
-  (dict "code" "engine_unavailable" "status" 503 "type" "service_unavailable" "retry" true
-        "filter" (dict "response_flag_filter" (dict "flags" (list "UF" "UH" "UC" "UR" "LR" "URX" "UMSDR")))
-        "message" (printf "the engine could not be reached or closed the connection before answering; retry later %s" $details))
-  (dict "code" "engine_timeout" "status" 504 "type" "timeout_error" "retry" false
-        "filter" (dict "response_flag_filter" (dict "flags" (list "UT" "SI")))
-        "message" (printf "no answer from the engine within the gateway's timeout %s" $details))
-  (dict "code" "no_route" "status" 404 "type" "not_found_error" "retry" false
-        "filter" (dict "response_flag_filter" (dict "flags" (list "NR" "NC")))
-        "message" (printf "no route for this request %s" $details))
-  (dict "code" "admission_unavailable" "status" 503 "type" "service_unavailable" "retry" true
-        "filter" (dict "extension_filter" (dict "name" $cel "typed_config" (dict "@type" $celType "expression" "response.code_details.startsWith('ext_proc_')")))
-        "message" (printf "the admission service did not answer and the gateway fails closed; retry later %s" $details))
-  (dict "code" "engine_not_selected" "status" 503 "type" "service_unavailable" "retry" true
-        "filter" (dict "extension_filter" (dict "name" $cel "typed_config" (dict "@type" $celType "expression" "response.code_details == 'direct_response'")))
-        "message" "the admission service did not say which engine serves this model (it is down or did not answer in time) and the gateway does not guess among several engines; retry later")
-  (dict "code" "body_too_large" "status" 413 "type" "invalid_request_error" "retry" false
-        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 413 "runtime_key" "admission.local_reply.status_413"))))
-        "message" (printf "request body exceeds the gateway's buffer limit %s" $details))
-  (dict "code" "headers_too_large" "status" 431 "type" "invalid_request_error" "retry" false
-        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 431 "runtime_key" "admission.local_reply.status_431"))))
-        "message" (printf "request headers exceed the gateway's limit %s" $details))
-  (dict "code" "bad_request" "status" 400 "type" "invalid_request_error" "retry" false
-        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "EQ" "value" (dict "default_value" 400 "runtime_key" "admission.local_reply.status_400"))))
-        "message" (printf "malformed HTTP request %s" $details))
-  (dict "code" "gateway_error" "status" 0 "type" "server_error" "retry" false
-        "filter" (dict "status_code_filter" (dict "comparison" (dict "op" "GE" "value" (dict "default_value" 0 "runtime_key" "admission.local_reply.any"))))
-        "message" (printf "%%LOCAL_REPLY_BODY%% %s" $details))
--}}
-mappers:
-- filter:
-    extension_filter:
-      name: {{ $cel }}
-      typed_config:
-        "@type": {{ $celType }}
-        expression: "response.code_details.startsWith('admission_')"
-{{- range $r := $replies }}
-- filter:
-    {{- toYaml $r.filter | nindent 4 }}
-  {{- if $r.status }}
-  status_code: {{ $r.status }}
-  {{- end }}
-  headers_to_add:
-  {{- if $r.retry }}
-  - header:
-      key: retry-after
-      value: {{ int64 $.Values.admission.retryAfterSeconds | quote }}
-    append_action: OVERWRITE_IF_EXISTS_OR_ADD
-  {{- end }}
-  - header:
-      key: x-admission-outcome
-      value: {{ $r.code }}
-    append_action: OVERWRITE_IF_EXISTS_OR_ADD
-  body_format_override:
-    json_format:
-      error:
-        message: {{ $r.message | quote }}
-        type: {{ $r.type }}
-        code: {{ $r.code }}
-    content_type: application/json
-{{- end }}
-{{- end -}}
-
-
-{{/*
 Values the schema cannot check, refused at render with a message saying what to do. Every
 template that reads .Values.engines includes this first, so whichever Helm renders first fails
 with this message rather than a Go template error.
@@ -665,66 +631,6 @@ with this message rather than a Go template error.
 {{- $_ := set $models . $e.name }}
 {{- end }}
 {{- end }}
-{{- end -}}
-
-
-{{/* A Kubernetes memory quantity in bytes (extproc/envoyconf.py memory_bytes): an integer with
-an optional unit Ki, Mi, Gi, Ti, k, M, G, T. */}}
-{{- define "llm-admission.memoryBytes" -}}
-{{- $q := toString . -}}
-{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) }}{{ $q = toString (int64 .) }}{{ end -}}
-{{- $m := regexFindAll "^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$" $q -1 -}}
-{{- if not $m -}}
-{{- fail (printf "envoy.resources.limits.memory=%q: want an integer with an optional unit Ki, Mi, Gi, Ti, k, M, G or T" $q) -}}
-{{- end -}}
-{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
-{{- $unit := regexFind "(Ki|Mi|Gi|Ti|k|M|G|T)$" $q -}}
-{{- $n := int64 (trimSuffix $unit $q) -}}
-{{- if $unit }}{{ mul $n (get $units $unit) }}{{ else }}{{ $n }}{{ end -}}
-{{- end -}}
-
-{{/* Envoy's overload manager (extproc/envoyconf.py _overload_manager): heap cap 90% of the
-container's memory limit; the global downstream connection cap envoy.maxDownstreamConnections,
-else (heap cap - 128 MiB for Envoy itself) / (2 x admission.maxBodyBytes), since a connection may
-hold its read buffer and the buffered request body, each up to the body cap. */}}
-{{- define "llm-admission.overloadManager" -}}
-{{- $limit := "" -}}
-{{- with .Values.envoy.resources }}{{ with .limits }}{{ with .memory }}{{ $limit = . }}{{ end }}{{ end }}{{ end -}}
-{{- if not $limit -}}
-{{- fail "envoy.resources.limits.memory must be set: it sizes Envoy's overload manager (heap cap) and its connection cap against the per-connection buffer (admission.maxBodyBytes)" -}}
-{{- end -}}
-{{- $bytes := int64 (include "llm-admission.memoryBytes" $limit) -}}
-{{- $heap := div (mul $bytes 90) 100 -}}
-{{- $connections := 0 -}}
-{{- if .Values.envoy.maxDownstreamConnections -}}
-{{- $connections = int64 .Values.envoy.maxDownstreamConnections -}}
-{{- else -}}
-{{- $connections = div (sub $heap 134217728) (mul 2 (int64 .Values.admission.maxBodyBytes)) -}}
-{{- if lt $connections 16 -}}
-{{- fail (printf "envoy.resources.limits.memory=%v leaves room for %d connections of 2 x %d-byte buffers (at least 16 needed): raise the limit, lower admission.maxBodyBytes, or set envoy.maxDownstreamConnections" $limit (max $connections 0) (int64 .Values.admission.maxBodyBytes)) -}}
-{{- end -}}
-{{- end -}}
-refresh_interval: 0.25s
-resource_monitors:
-- name: envoy.resource_monitors.fixed_heap
-  typed_config:
-    "@type": type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig
-    max_heap_size_bytes: {{ $heap }}
-- name: envoy.resource_monitors.global_downstream_max_connections
-  typed_config:
-    "@type": type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig
-    max_active_downstream_connections: {{ $connections }}
-actions:
-- name: envoy.overload_actions.shrink_heap
-  triggers:
-  - name: envoy.resource_monitors.fixed_heap
-    threshold:
-      value: 0.95
-- name: envoy.overload_actions.stop_accepting_requests
-  triggers:
-  - name: envoy.resource_monitors.fixed_heap
-    threshold:
-      value: 0.98
 {{- end -}}
 
 
