@@ -22,11 +22,13 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from .config import load_settings
 from .envoyconf import render_envoy_config
 
 SIM_MODEL = "sim-model"
+_T = TypeVar("_T")
 
 
 def free_port() -> int:
@@ -54,7 +56,7 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN001, ANN201
+def wait_until(check: Callable[[], _T], timeout: float, what: str, interval: float = 0.05) -> _T:
     """Poll `check()` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
