@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import functools
 import json
 import math
 import signal
@@ -311,7 +312,7 @@ class Deployment:
             stack.start()
         if self._cfg.gated:
             for stack in self.stacks:  # before the first good poll the service fails open
-                wait_until(lambda s=stack: _engine_fresh(s), 30.0, f"first good poll at {stack.admin_url}")
+                wait_until(functools.partial(_engine_fresh, stack), 30.0, f"first good poll at {stack.admin_url}")
 
     def stop(self) -> None:
         for stack in reversed(self.stacks):  # the first one owns the simulator: stop it last

@@ -86,7 +86,7 @@ def qwen3_tokenizer_json(path: Path) -> Path:
         pre_tokenizers.Split(Regex(PAT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in sorted(specials, key=specials.get)])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in sorted(specials, key=lambda s: specials[s])])
     tok.save(str(path))
     return path
 

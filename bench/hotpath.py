@@ -105,7 +105,7 @@ def pid_of(child: Child | None) -> int:
 
 def chat_body(size: int, model_last: bool = True) -> bytes:
     """A chat-completion body of exactly `size` bytes (prose with escapes), `model` last."""
-    head = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": ""}],
+    head: dict[str, Any] = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": ""}],
             "max_tokens": 1, "stream": False}
     text = ("The quick brown fox \"jumps\" over the lazy dog; caf\u00e9 na\u00efve r\u00e9sum\u00e9.\n"
             "Pack my box with five dozen liquor jugs. ")
@@ -120,7 +120,7 @@ def chat_body(size: int, model_last: bool = True) -> bytes:
     while len(json.dumps(content).encode()) - 2 > room:
         content = content[:-1]
     content += "x" * (room - (len(json.dumps(content).encode()) - 2))
-    head["messages"][1]["content"] = content  # type: ignore[index]
+    head["messages"][1]["content"] = content
     doc = {**head, "model": MODEL} if model_last else {"model": MODEL, **head}
     body = json.dumps(doc).encode()
     assert len(body) == size, (len(body), size)

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from extproc.devstack import LocalStack, RedisServer, http_get
 
@@ -38,7 +39,7 @@ def _rss_mib(pid: int) -> float:
 
 
 def _body(size: int) -> bytes:
-    skeleton = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": ""}]}
+    skeleton: dict[str, Any] = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": ""}]}
     pad = size - len(json.dumps(skeleton))
     skeleton["messages"][0]["content"] = "x" * max(0, pad)
     return json.dumps(skeleton).encode()

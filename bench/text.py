@@ -40,6 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 from enginesim.tokenizer import DEFAULT_TOKENIZER, Tokenizer, VocabTokenizer, get_tokenizer
 
@@ -65,7 +66,7 @@ MODULES = (
 
 
 @functools.cache
-def _modules() -> tuple[object, ...]:
+def _modules() -> tuple[ModuleType, ...]:
     out = []
     with warnings.catch_warnings():  # deprecated modules and aliases warn when touched
         warnings.simplefilter("ignore")
@@ -77,14 +78,14 @@ def _modules() -> tuple[object, ...]:
     return tuple(out)
 
 
-def _members(module: object) -> list[tuple[str, object]]:
+def _members(module: ModuleType) -> list[tuple[str, object]]:
     """Public functions and classes defined in ``module``, and the classes' methods, in name order."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _members_of(module)
 
 
-def _members_of(module: object) -> list[tuple[str, object]]:
+def _members_of(module: ModuleType) -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
     for name, value in sorted(vars(module).items()):
         if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
@@ -131,7 +132,7 @@ def code_pieces() -> tuple[str, ...]:
     pieces: list[str] = []
     for module in _modules():
         try:
-            source = inspect.getsource(module)  # type: ignore[arg-type]
+            source = inspect.getsource(module)
         except (OSError, TypeError):
             continue
         block: list[str] = []

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import common as common_builders, dashboard as db, prometheus, timeseries
+from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common, dashboard as model
 
@@ -98,7 +99,7 @@ def panel(title: str, description: str, unit: str, *targets: prometheus.Dataquer
     return built
 
 
-def variables() -> list[db.QueryVariable | db.DatasourceVariable]:
+def variables() -> list[cogbuilder.Builder[model.VariableModel]]:
     return [
         db.DatasourceVariable("datasource").label("Prometheus").type("prometheus"),
         db.QueryVariable("engine")

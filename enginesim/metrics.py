@@ -443,7 +443,7 @@ class EngineMetrics:
         self.served = reg
         if dialect != "vllm":
             self.served = CollectorRegistry()
-            self.served.register(_DialectCollector(self))  # type: ignore[arg-type]
+            self.served.register(_DialectCollector(self))
         self.published: dict[int, SchedulerStats] = {
             idx: SchedulerStats(0, 0, 0.0, 0) for idx in self.engine_indexes}
         self.pins: dict[str, float | None] = {"running": None, "waiting": None, "kv_usage": None}
@@ -570,7 +570,7 @@ class EngineMetrics:
         """Prometheus text format 0.0.4; optionally without the three scheduler gauges."""
         if without_gauges:
             dropped = DIALECT_FAMILIES.get(self.dialect, GAUGE_FAMILIES)
-            return generate_latest(_Without(self.served, dropped))  # type: ignore[arg-type]
+            return generate_latest(_Without(self.served, dropped))
         return generate_latest(self.served)
 
 

@@ -396,7 +396,7 @@ def chat_response(request_id: str, created: int, model: str, text: str | list[Ch
                   prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     choices = []
     for index, choice in enumerate(_choices(text)):
-        message = {"role": "assistant", "content": choice.text, "refusal": None,
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None,
                    "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
                    "reasoning_content": None}
         choices.append({"index": index, "message": message, "logprobs": None,
