@@ -62,7 +62,8 @@ ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
 # (at 1) for an engine that has rejected everything and admitted nothing yet. The alert
 # LLMAdmissionHighRejectionRatio uses the same expression.
 REJECTION_RATIO = (
-    f'sum by (engine) (rate(admission_rejected_total{{reason=~"queue_full|park_timeout|expected_wait_too_long",{GW}}}[{RATE}]))\n'
+    f'sum by (engine) (rate(admission_rejected_total{{reason=~"queue_full|park_timeout|expected_wait_too_long",'
+    f"{GW}}}[{RATE}]))\n"
     f"/\n"
     f"(sum by (engine) (rate(admission_rejected_total{{{GW}}}[{RATE}]))\n"
     f" + (sum by (engine) (rate(admission_admitted_total{{{GW}}}[{RATE}]))"
@@ -161,8 +162,8 @@ def build() -> dict[str, object]:
         ))
         .with_panel(panel(
             "Capacity rejection ratio",
-            "queue_full + park_timeout + expected_wait_too_long over all decisions. Alert LLMAdmissionHighRejectionRatio fires "
-            "above 0.10 for 10 minutes.",
+            "queue_full + park_timeout + expected_wait_too_long over all decisions. "
+            "Alert LLMAdmissionHighRejectionRatio fires above 0.10 for 10 minutes.",
             "percentunit",
             query("A", REJECTION_RATIO, "{{engine}}"),
         ))
@@ -217,7 +218,8 @@ def build() -> dict[str, object]:
             query("A", f"sum by (engine) (rate(admission_estimated_prompt_tokens_total{{{GW}}}[{RATE}])) / "
                        f"max by (engine) (rate(admission_engine_prompt_tokens_total{{{GW}}}[{RATE}]))",
                   "estimate / engine: {{engine}}"),
-            query("B", f"max by (engine) (admission_bytes_per_token{{{GW}}})", "bytes per token (bytes rule): {{engine}}"),
+            query("B", f"max by (engine) (admission_bytes_per_token{{{GW}}})",
+                  "bytes per token (bytes rule): {{engine}}"),
         ))
         .with_panel(panel(
             "Where prompt counts came from",
@@ -314,7 +316,8 @@ def build() -> dict[str, object]:
             "looks flat at the limit; alert LLMAdmissionCPUThrottled fires above 25% for 15 minutes. Empty "
             "without the kubelet's cAdvisor metrics.",
             "percentunit",
-            query("A", 'sum by (pod, container) (rate(container_cpu_cfs_throttled_periods_total{container=~"envoy|admission",'
+            query("A", 'sum by (pod, container) (rate(container_cpu_cfs_throttled_periods_total'
+                       '{container=~"envoy|admission",'
                        f'namespace=~"$namespace"}}[{RATE}]))\n/\n'
                        'sum by (pod, container) (rate(container_cpu_cfs_periods_total{container=~"envoy|admission",'
                        f'namespace=~"$namespace"}}[{RATE}]))',

@@ -31,8 +31,9 @@ the simulator always has (no prefix caching, synchronous scheduling):
   the client); only their KV is recomputed. A request finishes when it has generated
   ``max_tokens`` tokens, or earlier at ``eos_at`` when the model ends it (EOS or a stop
   string, decided at arrival by ``enginesim.outputs``; vLLM checks the length first, so an
-  end at ``max_tokens`` is "length"); its blocks are freed. A preemption is counted in the step that preempted (vLLM counts it when the
-  victim next emits; the 0.11 profile keeps the simulator's historical simplification).
+  end at ``max_tokens`` is "length"); its blocks are freed. A preemption is counted in the
+  step that preempted (vLLM counts it when the victim next emits; the 0.11 profile keeps the
+  simulator's historical simplification).
 
 ``vllm-0.33`` (the default) adds what vLLM 0.33.0 does by default, read from its wheel:
 

@@ -116,7 +116,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 def scan_body(body: bytes) -> BodyFacts:
     """Validate `body` as one JSON object and extract the facts admission needs."""
     if b"\x0b" in body or b"\x0c" in body:
-        raise BodyError(Outcome.INVALID_BODY, "request body is not valid JSON: vertical tab or form feed outside a string escape")
+        raise BodyError(Outcome.INVALID_BODY,
+                        "request body is not valid JSON: vertical tab or form feed outside a string escape")
     model: object = None
     model_seen = 0
     kept: dict[str, object] = {}

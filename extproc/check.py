@@ -1,7 +1,8 @@
 """`extproc check URL...`: scrape an engine's metrics once and say what the service would make of them.
 
 For each engine: whether it answers, which metrics dialect it speaks (the configured one, else
-detected as the observer detects it) and, for vLLM, what that suggests about its version, which series admission needs were found or are missing, the numbers the service would
+detected as the observer detects it) and, for vLLM, what that suggests about its version, which
+series admission needs were found or are missing, the numbers the service would
 parse (with the very parser the observer uses, `enginemetrics.parse_engine_metrics`), where the KV
 capacity comes from, the effective limits (the same settings loader as `extproc serve`), and what
 the gate (a real `gate.EngineGate` with those limits, fed this one scrape) would decide now for a
@@ -92,7 +93,8 @@ def _series(names: set[str], d: Dialect) -> list[dict[str, Any]]:
     kv = d.kv_usage if d.kv_usage in names or d.kv_usage_fallback not in names else d.kv_usage_fallback
     rows = [(d.running, True, "running requests"), (d.waiting, True, "waiting requests"),
             (kv, True, "KV cache usage (fraction)")]
-    rows += [(name, False, "KV capacity for the token budget (else kv_capacity_tokens)") for name in d.capacity_families]
+    rows += [(name, False, "KV capacity for the token budget (else kv_capacity_tokens)")
+             for name in d.capacity_families]
     return [{"name": name, "required": required, "found": name in names, "for": what}
             for name, required, what in rows]
 
@@ -168,7 +170,8 @@ def _decisions(settings: Settings, engine: EngineConfig, gauges: EngineGauges | 
         view = _gate(settings, engine, gauges)  # the state before the arrival, for the explanation
         outcome = _gate(settings, engine, gauges).arrive(ticket, 0.0).outcome  # arriving changes a gate
         rows.append({"prompt_tokens": prompt, "generation_tokens": settings.default_max_tokens,
-                     "kv_cost_tokens": view.cost(ticket), "decision": outcome.value, "why": _why(view, ticket, outcome)})
+                     "kv_cost_tokens": view.cost(ticket), "decision": outcome.value,
+                     "why": _why(view, ticket, outcome)})
     return rows
 
 
@@ -194,7 +197,8 @@ def check_engine(settings: Settings, url: str, timeout: float) -> dict[str, Any]
         report["apparent_version"] = _apparent_version(names) if dialect is VLLM else None
         report["series"] = _series(names, dialect or VLLM)
         if dialect is None:
-            report["problems"].append(f"no known metrics dialect: none of {', '.join(d.running for d in DIALECTS.values())}")
+            known = ", ".join(d.running for d in DIALECTS.values())
+            report["problems"].append(f"no known metrics dialect: none of {known}")
         for row in report["series"]:
             if row["required"] and not row["found"]:
                 report["problems"].append(f"required series missing: {row['name']}")

@@ -358,7 +358,8 @@ def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits
         if "url" not in entry:
             raise ConfigError(f"{where}.url: missing (e.g. http://vllm:8000)")
         url, host, port = _engine_url(f"{where}.url", entry["url"])
-        metrics_url = _engine_url(f"{where}.metrics_url", entry["metrics_url"])[0] if "metrics_url" in entry else f"{url}/metrics"
+        metrics_url = (_engine_url(f"{where}.metrics_url", entry["metrics_url"])[0] if "metrics_url" in entry
+                       else f"{url}/metrics")
         models = entry.get("models")
         if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
             raise ConfigError(f"{where}.models={models!r}: must be a non-empty list of model names")
@@ -401,11 +402,14 @@ def load_settings(env: Mapping[str, str]) -> Settings:
 
     grpc_host, grpc_port = _listen("EXTPROC_LISTEN", env.get("EXTPROC_LISTEN") or "127.0.0.1:9002")
     admin_host, admin_port = _listen("EXTPROC_ADMIN_LISTEN", env.get("EXTPROC_ADMIN_LISTEN") or "127.0.0.1:9003")
-    probe_host, probe_port = _listen("EXTPROC_PROBE_LISTEN", env["EXTPROC_PROBE_LISTEN"]) if env.get("EXTPROC_PROBE_LISTEN") else (None, None)
-    gated = _csv(env.get("ADMISSION_GATED_PATHS")) if env.get("ADMISSION_GATED_PATHS") is not None else DEFAULT_GATED_PATHS
+    probe_host, probe_port = (_listen("EXTPROC_PROBE_LISTEN", env["EXTPROC_PROBE_LISTEN"])
+                              if env.get("EXTPROC_PROBE_LISTEN") else (None, None))
+    gated = (_csv(env.get("ADMISSION_GATED_PATHS")) if env.get("ADMISSION_GATED_PATHS") is not None
+             else DEFAULT_GATED_PATHS)
     for path in gated:
         if not path.startswith("/"):
-            raise ConfigError(f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: every path must start with '/'")
+            raise ConfigError(f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: "
+                              "every path must start with '/'")
         if canonical_path(path) != path.lower():
             raise ConfigError(
                 f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: {path!r} must be a plain path as the "
@@ -423,7 +427,8 @@ def load_settings(env: Mapping[str, str]) -> Settings:
     ledger = opt("ADMISSION_LEDGER", "local").strip().lower()
     if ledger not in ("local", "redis"):
         raise ConfigError(f"ADMISSION_LEDGER={env.get('ADMISSION_LEDGER')!r}: must be local or redis")
-    redis_url = _redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL") else None
+    redis_url = (_redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL")
+                 else None)
     if ledger == "redis" and redis_url is None:
         raise ConfigError("ADMISSION_LEDGER=redis needs ADMISSION_REDIS_URL (e.g. redis://redis:6379/0)")
     generation_reservation = opt("ADMISSION_GENERATION_RESERVATION", "max_tokens").strip().lower()
@@ -436,7 +441,8 @@ def load_settings(env: Mapping[str, str]) -> Settings:
                           "(e.g. the pod name)")
     key_prefix = opt("ADMISSION_LEDGER_KEY_PREFIX", "llm-admission")
     if not re.match(r"^[A-Za-z0-9_.:-]{1,64}$", key_prefix):
-        raise ConfigError(f"ADMISSION_LEDGER_KEY_PREFIX={key_prefix!r}: must be 1-64 letters, digits, '_', '.', ':' or '-'")
+        raise ConfigError(f"ADMISSION_LEDGER_KEY_PREFIX={key_prefix!r}: "
+                          "must be 1-64 letters, digits, '_', '.', ':' or '-'")
 
     return Settings(
         grpc_host=grpc_host,
@@ -446,16 +452,19 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         probe_host=probe_host,
         probe_port=probe_port,
         max_body_bytes=_int("MAX_BODY_BYTES", opt("MAX_BODY_BYTES", "1048576"), 1024),
-        poll_interval=_float("ENGINE_POLL_INTERVAL_SECONDS", opt("ENGINE_POLL_INTERVAL_SECONDS", "2"), 0.0, 300.0, low_open=True),
+        poll_interval=_float("ENGINE_POLL_INTERVAL_SECONDS", opt("ENGINE_POLL_INTERVAL_SECONDS", "2"), 0.0, 300.0,
+                             low_open=True),
         stale_after_polls=_int("ENGINE_STALE_AFTER_POLLS", opt("ENGINE_STALE_AFTER_POLLS", "3"), 1),
         retry_after_seconds=_int("ADMISSION_RETRY_AFTER_SECONDS", opt("ADMISSION_RETRY_AFTER_SECONDS", "5"), 1),
-        scrape_grace_seconds=_float("ADMISSION_SCRAPE_GRACE_SECONDS", opt("ADMISSION_SCRAPE_GRACE_SECONDS", "0.5"), 0.0, 60.0),
+        scrape_grace_seconds=_float(
+            "ADMISSION_SCRAPE_GRACE_SECONDS", opt("ADMISSION_SCRAPE_GRACE_SECONDS", "0.5"), 0.0, 60.0),
         local_accounting=_bool("ADMISSION_LOCAL_ACCOUNTING", opt("ADMISSION_LOCAL_ACCOUNTING", "true")),
         kv_budget=_bool("ADMISSION_KV_BUDGET", opt("ADMISSION_KV_BUDGET", "true")),
         backfill=_bool("ADMISSION_BACKFILL", opt("ADMISSION_BACKFILL", "true")),
         wait_estimates=_bool("ADMISSION_WAIT_ESTIMATES", opt("ADMISSION_WAIT_ESTIMATES", "true")),
         engine_queue_slots=_int("ADMISSION_ENGINE_QUEUE_SLOTS", opt("ADMISSION_ENGINE_QUEUE_SLOTS", "1"), 0),
-        bytes_per_token=_float("ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "2.5"), 0.0, 64.0, low_open=True),
+        bytes_per_token=_float(
+            "ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "2.5"), 0.0, 64.0, low_open=True),
         estimate_safety_factor=_float(
             "ADMISSION_ESTIMATE_SAFETY_FACTOR", opt("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"), 0.5, 4.0),
         default_max_tokens=_int("ADMISSION_DEFAULT_MAX_TOKENS", opt("ADMISSION_DEFAULT_MAX_TOKENS", "1024"), 0),
@@ -488,7 +497,8 @@ def _estimate_settings(env: Mapping[str, str]) -> EstimateSettings:
     mode = opt("ADMISSION_ESTIMATE", "counted").strip().lower()
     if mode not in ("counted", "bytes"):
         raise ConfigError(f"ADMISSION_ESTIMATE={env.get('ADMISSION_ESTIMATE')!r}: must be counted (the default: "
-                          "tokenizer, engine /tokenize, learned bytes-per-token) or bytes (the estimate before issue 11)")
+                          "tokenizer, engine /tokenize, learned bytes-per-token) "
+                          "or bytes (the estimate before issue 11)")
     tokenizer = (env.get("ADMISSION_TOKENIZER") or "").strip() or None
     if tokenizer is not None and tokenizer not in BUILTIN_TOKENIZERS:
         if not tokenizer.endswith(".json"):
@@ -497,8 +507,10 @@ def _estimate_settings(env: Mapping[str, str]) -> EstimateSettings:
         if not os.path.isfile(tokenizer) or not os.access(tokenizer, os.R_OK):
             raise ConfigError(f"ADMISSION_TOKENIZER={tokenizer!r}: no readable file there (mount the served "
                               "model's tokenizer.json, or unset it to ask the engine's /tokenize)")
-    low = _float("ADMISSION_BYTES_PER_TOKEN_MIN", opt("ADMISSION_BYTES_PER_TOKEN_MIN", "1.0"), 0.0, 64.0, low_open=True)
-    high = _float("ADMISSION_BYTES_PER_TOKEN_MAX", opt("ADMISSION_BYTES_PER_TOKEN_MAX", "4.0"), 0.0, 64.0, low_open=True)
+    low = _float("ADMISSION_BYTES_PER_TOKEN_MIN", opt("ADMISSION_BYTES_PER_TOKEN_MIN", "1.0"), 0.0, 64.0,
+                 low_open=True)
+    high = _float("ADMISSION_BYTES_PER_TOKEN_MAX", opt("ADMISSION_BYTES_PER_TOKEN_MAX", "4.0"), 0.0, 64.0,
+                  low_open=True)
     if low > high:
         raise ConfigError(f"ADMISSION_BYTES_PER_TOKEN_MIN={low:g} is above ADMISSION_BYTES_PER_TOKEN_MAX={high:g}")
     return EstimateSettings(

@@ -76,7 +76,8 @@ def generation_allowance(facts: BodyFacts, default_max_tokens: int) -> int:
     return limit if limit is not None else default_max_tokens
 
 
-def estimate_cost(facts: BodyFacts, bytes_per_token: float, safety_factor: float, default_max_tokens: int) -> CostEstimate:
+def estimate_cost(facts: BodyFacts, bytes_per_token: float, safety_factor: float,
+                  default_max_tokens: int) -> CostEstimate:
     """The estimate before issue 11 (`ADMISSION_ESTIMATE=bytes`): message text bytes / bytes-per-token
     x safety, one sequence, nothing for the template, tools or token ids."""
     prompt = max(1, math.ceil(facts.prompt_bytes / bytes_per_token * safety_factor))
@@ -99,5 +100,6 @@ def estimate_from_bytes(facts: BodyFacts, bytes_per_token: float, safety_factor:
 
 def estimate_counted(facts: BodyFacts, prompt_tokens: int, default_max_tokens: int, source: str) -> CostEstimate:
     """A prompt counted exactly (by a tokenizer or the engine), with the body's generation and n."""
-    return CostEstimate(prompt_tokens=max(1, prompt_tokens), generation_tokens=generation_allowance(facts, default_max_tokens),
+    return CostEstimate(prompt_tokens=max(1, prompt_tokens),
+                        generation_tokens=generation_allowance(facts, default_max_tokens),
                         sequences=facts.sequences, source=source)

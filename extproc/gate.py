@@ -46,10 +46,10 @@ as included only if it was admitted more than `grace` before the scrape began (u
 allocation, if the scrape shows it, is charged twice, to others and to its reservation); every
 finished one counts as included, so its reservation is free at once. Our own requests' allocation
 is inside their reservation, so only the rest of the observed usage is charged again. With one
-gate in front of an engine this is an exact budget (given the estimates); with several independent gates each one's unallocated reservations are
-invisible to the others until they show in the gauge, so the cap is soft, as the reference
-design accepted. A request whose cost exceeds the whole capacity can never fit: it is rejected
-at once instead of parked.
+gate in front of an engine this is an exact budget (given the estimates); with several
+independent gates each one's unallocated reservations are invisible to the others until they
+show in the gauge, so the cap is soft, as the reference design accepted. A request whose cost
+exceeds the whole capacity can never fit: it is rejected at once instead of parked.
 
 Invariant (work conservation): a request of ours that finishes frees its slot and its KV
 reservation at once in every term, so a parked request is released by the very event that gives

@@ -72,7 +72,8 @@ class Metrics:
             ["engine", "model", "source"], registry=r)
         self.engine_prompt_tokens = Counter(
             "admission_engine_prompt_tokens",
-            "The engine's prompt-token counter (its dialect's, e.g. vLLM's prompt_tokens_total) as this replica saw it grow between its polls: compare with "
+            "The engine's prompt-token counter (its dialect's, e.g. vLLM's prompt_tokens_total) as this replica "
+            "saw it grow between its polls: compare with "
             "admission_estimated_prompt_tokens_total (every replica sees the same engine: take max by engine).",
             ["engine"], registry=r)
         self.estimate_ratio = Gauge(
@@ -104,9 +105,13 @@ class Metrics:
             "running + waiting as the gate sees it: last scrape corrected by local admissions and completions.",
             ["engine"], registry=r)
         # Engine observation.
-        self.running = Gauge("vllm_requests_running", "The engine's running requests at the last good poll.", ["engine"], registry=r)
-        self.waiting = Gauge("vllm_requests_waiting", "The engine's waiting requests at the last good poll.", ["engine"], registry=r)
-        self.kv_usage = Gauge("vllm_kv_usage_perc", "The engine's KV cache usage (fraction 0..1) at the last good poll.", ["engine"], registry=r)
+        self.running = Gauge("vllm_requests_running", "The engine's running requests at the last good poll.",
+                             ["engine"], registry=r)
+        self.waiting = Gauge("vllm_requests_waiting", "The engine's waiting requests at the last good poll.",
+                             ["engine"], registry=r)
+        self.kv_usage = Gauge("vllm_kv_usage_perc",
+                              "The engine's KV cache usage (fraction 0..1) at the last good poll.",
+                              ["engine"], registry=r)
         self.kv_capacity = Gauge(
             "vllm_kv_capacity_tokens", "KV cache capacity in tokens from the engine's metrics (0 = unknown).",
             ["engine"], registry=r)
@@ -117,7 +122,8 @@ class Metrics:
         self.degraded = Gauge(
             "observer_degraded", "1 while the engine's metrics cannot be parsed into the three required gauges.",
             ["engine"], registry=r)
-        self.stale = Gauge("engine_state_is_stale", "1 while the engine state is stale and admission fails open.", ["engine"], registry=r)
+        self.stale = Gauge("engine_state_is_stale", "1 while the engine state is stale and admission fails open.",
+                           ["engine"], registry=r)
         self.stale_total = Counter(
             "engine_state_stale", "Transitions into stale engine state (fail-open).", ["engine"], registry=r)
         # The configured max in-flight must equal the engine's --max-num-seqs, which no engine gauge
@@ -128,10 +134,12 @@ class Metrics:
             "engine's --max-num-seqs is larger than max_inflight.", ["engine"], registry=r)
         self.limit_drift = Counter(
             "admission_engine_limit_drift",
-            "Transitions into limit drift: the engine reported more running requests than the configured max in-flight.",
+            "Transitions into limit drift: the engine reported more running requests than the configured "
+            "max in-flight.",
             ["engine"], registry=r)
         self.poll_failures = Counter(
-            "engine_poll_failures", "Failed polls of the engine's /metrics, by reason.", ["engine", "reason"], registry=r)
+            "engine_poll_failures", "Failed polls of the engine's /metrics, by reason.", ["engine", "reason"],
+            registry=r)
         self.poll_duration = Histogram(
             "engine_poll_duration_seconds", "Time to fetch and parse the engine's /metrics.", ["engine"], registry=r)
         self.internal_errors = Counter(
@@ -157,8 +165,9 @@ class Metrics:
         "No data" and `rate()`, `increase()` and alerts on it would have nothing to work on until
         the first event. Every engine/model pair the configuration names gets its decision
         counters (each way of being admitted, parks, each rejection reason, backfills), every
-        gated engine its stale transitions, poll failures by reason and park durations by ending. Models an engine only serves (learnt
-        from /v1/models at runtime) appear with their first request.
+        gated engine its stale transitions, poll failures by reason and park durations by ending.
+        Models an engine only serves (learnt from /v1/models at runtime) appear with their first
+        request.
         """
         for reason in PASSTHROUGH_REASONS:
             self.passthrough.labels(reason)

@@ -217,7 +217,8 @@ class EngineObserver:
         if gauges.capacity_tokens:
             source, tokens = DIALECTS[gauges.dialect].capacity_source(), gauges.capacity_tokens
         elif engine.limits.kv_capacity_tokens:
-            source, tokens = "configured (ADMISSION_KV_CAPACITY_TOKENS / kv_capacity_tokens)", engine.limits.kv_capacity_tokens
+            source = "configured (ADMISSION_KV_CAPACITY_TOKENS / kv_capacity_tokens)"
+            tokens = engine.limits.kv_capacity_tokens
         else:
             source, tokens = "unknown", None
         key = f"{source}:{tokens}"
@@ -233,7 +234,8 @@ class EngineObserver:
             log.info("KV capacity for the token budget", extra={"engine": engine.name, "capacity_tokens": tokens,
                                                                 "source": source})
 
-    async def _failed(self, engine: EngineConfig, reason: str, detail: str, first: bool, degraded_logged: bool = False) -> None:
+    async def _failed(self, engine: EngineConfig, reason: str, detail: str, first: bool,
+                      degraded_logged: bool = False) -> None:
         self._metrics.poll_failures.labels(engine.name, reason).inc()
         if first and not degraded_logged:
             self._set_degraded(engine, True, f"{reason}: {detail}", first)

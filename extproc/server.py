@@ -100,7 +100,8 @@ class Service:
             await self._probe.setup()
             await web.TCPSite(self._probe, s.probe_host, s.probe_port).start()
         self._ready = True
-        log.info("serving", extra={"grpc": f"{s.grpc_host}:{self.grpc_port}", "admin": f"{s.admin_host}:{self.admin_port}"})
+        log.info("serving",
+                 extra={"grpc": f"{s.grpc_host}:{self.grpc_port}", "admin": f"{s.admin_host}:{self.admin_port}"})
 
     async def stop(self, grace: float = 10.0) -> None:
         self._ready = False
