@@ -259,7 +259,8 @@ async def inject_fault(cfg: BenchConfig, deployment: Deployment, t0: float) -> d
         def all_shared() -> bool:
             for stack in deployment.stacks:
                 status, body = http_get(f"{stack.admin_url}/metrics", timeout=2.0)
-                if status != 200 or any(v for n, _, v in _metric_samples(body.decode()) if n == "admission_ledger_degraded"):
+                degraded = (v for n, _, v in _metric_samples(body.decode()) if n == "admission_ledger_degraded")
+                if status != 200 or any(degraded):
                     return False
             return True
 
@@ -467,7 +468,8 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
                 if cfg.progress:
-                    print(_progress_line(loop.time() - t0, k, records, len(records), sampler), file=sys.stderr, flush=True)
+                    print(_progress_line(loop.time() - t0, k, records, len(records), sampler), file=sys.stderr,
+                          flush=True)
 
         async def one(record: RequestRecord) -> None:
             delay = t0 + record.spec.at / k - loop.time()
@@ -520,7 +522,8 @@ def request_body(spec: RequestSpec, content: str) -> bytes:
                        "max_tokens": spec.max_tokens, "stream": True}).encode()
 
 
-def service_estimates(cfg: BenchConfig, specs: Sequence[RequestSpec], contents: dict[int, str]) -> dict[int, int] | None:
+def service_estimates(cfg: BenchConfig, specs: Sequence[RequestSpec],
+                      contents: dict[int, str]) -> dict[int, int] | None:
     """The bytes rule's estimated prompt tokens for each request's body (extproc's own body facts
     and `estimate_cost`, imported, not copied), at this run's configured bytes per token: what the
     service reserves before it has learned anything and below the /tokenize threshold. The
@@ -697,7 +700,8 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "rejected_answer_p50": _r(percentile(answered_no, 0.50), 3),
         "rejected_answer_p95": _r(percentile(answered_no, 0.95), 3),
         "requests_by_class": {name: len(group) for name, group in by_class.items()},
-        "completed_by_class": {name: sum(1 for r in group if r.outcome == "completed") for name, group in by_class.items()},
+        "completed_by_class": {name: sum(1 for r in group if r.outcome == "completed")
+                               for name, group in by_class.items()},
         "parked": gateway["parked"] if gateway else 0,
         "preemptions": preemptions,
         **estimate_ratios(records, run["arrivals"], run.get("estimates")),
@@ -734,7 +738,8 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "gateway_rejected": gateway["rejected"] if gateway else {},
         "engine_arrivals": len(arrived),
         # whether the prompt classes reached the engine in the order they were sent
-        "arrival_order_kept": [r.spec.cls.name for r in arrived] == [r.spec.cls.name for r in sorted(arrived, key=lambda r: r.spec.index)],
+        "arrival_order_kept": ([r.spec.cls.name for r in arrived]
+                               == [r.spec.cls.name for r in sorted(arrived, key=lambda r: r.spec.index)]),
         **({"engine_arrival_order": " ".join(r.spec.cls.name for r in arrived)} if len(arrived) <= 40 else {}),
         "engine_samples": sampler.samples,
         "wall_s": round(run["wall"], 2),
@@ -759,7 +764,8 @@ def _fmt(value: float | None, width: int = 8) -> str:
 
 def render_run(result: dict[str, Any]) -> str:
     lines = [
-        f"scenario {result['scenario']}  engine {result['engine']}  mode {result['mode']}  replicas {result['replicas']}  "
+        f"scenario {result['scenario']}  engine {result['engine']}  mode {result['mode']}  "
+        f"replicas {result['replicas']}  "
         f"time scale {result['time_scale']:g}  seed {result['seed']}  text {result.get('text')}  "
         f"tokenizer {result.get('tokenizer')}",
         "times in engine seconds",
@@ -814,10 +820,12 @@ def render_combined(results: list[dict[str, Any]]) -> str:
     head = "".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w, _) in enumerate(COMBINED_COLUMNS))
     lines = [head]
     for r in results:
-        lines.append("".join(f"{str(f(r)):>{w}}" if i else f"{str(f(r)):<{w}}" for i, (_, w, f) in enumerate(COMBINED_COLUMNS)))
+        lines.append("".join(f"{str(f(r)):>{w}}" if i else f"{str(f(r)):<{w}}"
+                             for i, (_, w, f) in enumerate(COMBINED_COLUMNS)))
     classes = list(dict.fromkeys(c for r in results for c in r["requests_by_class"]))
     lines.append("")
-    lines.append(f"{'mode':<10}{'repl':>5}" + "".join(f"{'ttft ' + c + ' p50/p95':>22}{'e2e ' + c + ' p50/p95':>22}" for c in classes))
+    lines.append(f"{'mode':<10}{'repl':>5}"
+                 + "".join(f"{'ttft ' + c + ' p50/p95':>22}{'e2e ' + c + ' p50/p95':>22}" for c in classes))
     for r in results:
         cells = ""
         for c in classes:
@@ -870,7 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine", choices=ENGINES, default=ENGINES[0],
         help="the vLLM version the simulator behaves as: vllm-0.33 checks that a whole prompt fits "
              "before starting it and caches prefixes; vllm-0.11 does neither")
-    add("--all", action="store_true", help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
+    add("--all", action="store_true",
+        help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
     add("--replicas", type=int, default=1, help="Envoy (+ service) replicas in front of the one engine")
     add("--replicas-list", default="1,3", help="with --all: the replica counts to run")
     add("--shared", action="store_true",
@@ -893,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
              "lognormal:MEAN[:SIGMA]; default: the scenario's, else max)")
     add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
     add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
-    add("--spacing", type=float, default=0.5, help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
+    add("--spacing", type=float, default=0.5,
+        help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
     add("--concurrency", type=int, default=None,
         help="closed-loop scenarios (short): clients sending back to back (default: the scenario's, 8)")
     add("--count", type=int, default=None, help="closed-loop scenarios: requests in all (default: the scenario's)")
@@ -902,15 +912,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-inflight", type=int, default=None,
         help="ADMISSION_MAX_INFLIGHT (the engine's max-num-seqs; default: the scenario's, else 4)")
     add("--kv-threshold", type=float, default=0.90, help="ADMISSION_KV_THRESHOLD")
-    add("--queue-depth", type=int, default=None, help="VLLM_MAX_QUEUE_DEPTH per replica (default: the scenario's, else 8)")
+    add("--queue-depth", type=int, default=None,
+        help="VLLM_MAX_QUEUE_DEPTH per replica (default: the scenario's, else 8)")
     add("--park-cap", type=float, default=None,
-        help="ADMISSION_MAX_PARK_SECONDS in engine seconds, divided by K (default: the scenario's, else the service's, 300)")
-    add("--poll-interval", type=float, default=2.0, help="ENGINE_POLL_INTERVAL_SECONDS in engine seconds (divided by K)")
+        help="ADMISSION_MAX_PARK_SECONDS in engine seconds, divided by K "
+             "(default: the scenario's, else the service's, 300)")
+    add("--poll-interval", type=float, default=2.0,
+        help="ENGINE_POLL_INTERVAL_SECONDS in engine seconds (divided by K)")
     add("--extproc-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the admission service (repeatable), e.g. to try a feature flag")
     add("--sim-arg", action="append", default=[], metavar="FLAG",
         help="extra enginesim flag (repeatable), e.g. --sim-arg=--max-num-seqs=5 (the reference's PR-2 engine)")
-    add("--workdir", type=Path, default=None, help="keep configs and process logs here (default: a temporary directory)")
+    add("--workdir", type=Path, default=None,
+        help="keep configs and process logs here (default: a temporary directory)")
     add("--quiet", action="store_true", help="no progress on stderr")
     return parser
 
@@ -933,7 +947,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.poll_interval / args.time_scale < 0.05:
         print(f"warning: the scaled poll interval is {args.poll_interval / args.time_scale:.3f} s; on a small machine "
               "polls may time out (watch stale_transitions and poll_failures)", file=sys.stderr)
-    limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": DEFAULT_MAX_PARK_SECONDS, **dict(SCENARIOS[args.scenario].limits)}
+    limits = {"max_inflight": 4, "queue_depth": 8, "park_cap": DEFAULT_MAX_PARK_SECONDS,
+              **dict(SCENARIOS[args.scenario].limits)}
     for name in limits:
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)
@@ -952,7 +967,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--fault {args.fault!r}: {exc}")
         if args.ledger != "redis" or args.mode not in GATED_MODES or args.replicas < 2:
             parser.error("--fault needs --ledger redis, a gated --mode and --replicas >= 2")
-    base = dict(scenario=args.scenario, engine=args.engine, shared=args.shared, ledger=args.ledger, fault=args.fault, time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight, kv_threshold=args.kv_threshold,
+    base = dict(scenario=args.scenario, engine=args.engine, shared=args.shared, ledger=args.ledger, fault=args.fault,
+                time_scale=args.time_scale, seed=args.seed, shape=shape, max_inflight=args.max_inflight,
+                kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet,
                 text=args.text, tokenizer=args.tokenizer, output_len=args.output_len)
@@ -970,7 +987,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_one(BenchConfig(mode=mode, replicas=replicas, **base))
             print(render_run(result), file=sys.stderr, flush=True)
             results.append(result)
-    print(f"scenario {args.scenario}, time scale {args.time_scale:g}, seed {results[0]['seed']}; times in engine seconds")
+    print(f"scenario {args.scenario}, time scale {args.time_scale:g}, seed {results[0]['seed']}; "
+          "times in engine seconds")
     print(render_combined(results))
     print(json.dumps({"scenario": args.scenario, "time_scale": args.time_scale, "runs": results}))
     return 0

@@ -32,10 +32,12 @@ from extproc.tokencount import Estimator
 
 # A tiktoken-style vocabulary as a Hugging Face tokenizer.json, the way transformers converts one
 # (byte-level BPE, merges recovered from the ranks), with Qwen2's pre-tokenizer regex and NFC.
-PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+       r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+          + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -86,7 +88,8 @@ def qwen3_tokenizer_json(path: Path) -> Path:
         pre_tokenizers.Split(Regex(PAT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in sorted(specials, key=lambda s: specials[s])])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in sorted(specials, key=lambda s: specials[s])])
     tok.save(str(path))
     return path
 
@@ -158,7 +161,8 @@ async def measure(hf_path: Path) -> None:
                     done.set()
                     await ticker
                     stalls.append(max(gaps) * 1000)
-                print(f"{name:32s} {kind:5s} {tokens:6d} tokens: source {cost.source:9s} prompt {cost.prompt_tokens:6d}  "
+                print(f"{name:32s} {kind:5s} {tokens:6d} tokens: source {cost.source:9s} "
+                      f"prompt {cost.prompt_tokens:6d}  "
                       f"{statistics.median(times):7.2f} ms (loop stall max {statistics.median(stalls):6.2f} ms)",
                       flush=True)
     finally:

@@ -105,7 +105,8 @@ def pid_of(child: Child | None) -> int:
 
 def chat_body(size: int, model_last: bool = True) -> bytes:
     """A chat-completion body of exactly `size` bytes (prose with escapes), `model` last."""
-    head: dict[str, Any] = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": ""}],
+    head: dict[str, Any] = {"messages": [{"role": "system", "content": "You are terse."},
+                                         {"role": "user", "content": ""}],
             "max_tokens": 1, "stream": False}
     text = ("The quick brown fox \"jumps\" over the lazy dog; caf\u00e9 na\u00efve r\u00e9sum\u00e9.\n"
             "Pack my box with five dozen liquor jugs. ")
@@ -171,7 +172,8 @@ def upstream_config(port: int, admin_port: int) -> dict[str, Any]:
         direct({"prefix": "/"}, _COMPLETION, "application/json"),
     ]
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": ("type.googleapis.com/"
+                  "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
         "stat_prefix": "upstream", "codec_type": "AUTO", "stream_idle_timeout": "3600s",
         "route_config": {"name": "up", "virtual_hosts": [{"name": "up", "domains": ["*"], "routes": routes}]},
         "http_filters": [
@@ -712,7 +714,8 @@ def report(s: dict[str, Any], extra: dict[str, Any]) -> str:
         lines.append(f"do-nothing ext_proc, admitted_open_1kb: {row['held']} held, RSS {row['noop_rss_mib']} MiB, "
                      f"{row['noop_kib_per_request']} KiB/request (the floor for one open grpc.aio stream)")
     e = extra["exposition"]
-    lines.append(f"exposition: {e['ranks']} ranks, {e['lines']} lines, {e['bytes']:,} bytes: parsed in {e['parse_ms']} ms")
+    lines.append(f"exposition: {e['ranks']} ranks, {e['lines']} lines, {e['bytes']:,} bytes: "
+                 f"parsed in {e['parse_ms']} ms")
     return "\n".join(lines)
 
 

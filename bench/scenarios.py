@@ -193,7 +193,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "1,500 tokens, sigma 0.7) well below max_tokens 4,000: what a budget that reserves max_tokens "
                  "over-reserves, and what an expected length learned from vllm:request_generation_tokens would save",
                  seed=21, build=_burst({"think": 40}), time_scale=1.0, preset="h100-llama8b",
-                 sim_args=("--num-gpu-blocks", "8000", "--max-model-len", "32768", "--output-len", "lognormal:1500:0.7"),
+                 sim_args=("--num-gpu-blocks", "8000", "--max-model-len", "32768",
+                           "--output-len", "lognormal:1500:0.7"),
                  limits=(("max_inflight", 1024), ("queue_depth", 64), ("park_cap", 1800.0))),
         Scenario("overload", "RAG requests (4,000-token prompt, 64 generated) arriving at 2.5x what h100-llama8b "
                  "can prefill (Poisson, 16/s for 60 s); each client gives up after 20 s and disconnects",

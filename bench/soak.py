@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to drive load (default: %(default)s)")
     parser.add_argument("--clients", type=int, default=12, help="concurrent clients (default: %(default)s)")
     parser.add_argument("--every", type=float, default=10.0, help="seconds between reports (default: %(default)s)")
-    parser.add_argument("--warmup", type=float, default=30.0, help="seconds before RSS counts as warm (default: %(default)s)")
+    parser.add_argument("--warmup", type=float, default=30.0,
+                        help="seconds before RSS counts as warm (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if not 0 < args.minutes <= 24 * 60:
