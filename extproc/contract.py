@@ -22,3 +22,7 @@ ESCAPED_SEPARATOR_REGEX = ".*%(2[fF]|5[cC]).*"
 UNGATED_CLUSTER_SUFFIX = "_ungated"
 #: Extra time Envoy waits beyond the park cap, so the 503 at the cap always beats Envoy's timeout.
 PARK_TIMEOUT_MARGIN_SECONDS = 5.0
+#: Envoy's bound on ext_proc's max_message_timeout (a proto constraint: at most 1 h).
+MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS = 3600
+#: The longest park cap: Envoy's max_message_timeout is the park cap plus two margins.
+MAX_PARK_SECONDS = MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS - 2 * PARK_TIMEOUT_MARGIN_SECONDS

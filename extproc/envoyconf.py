@@ -69,6 +69,8 @@ import yaml
 from .config import EngineConfig, Settings
 from .contract import (
     ESCAPED_SEPARATOR_REGEX,
+    MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS,
+    MAX_PARK_SECONDS,
     OUTCOME_HEADER,
     PARK_TIMEOUT_MARGIN_SECONDS,
     ROUTE_HEADER,
@@ -79,8 +81,6 @@ from .contract import (
 from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
-#: Envoy's bound on ext_proc's max_message_timeout (a proto constraint: at most 1h).
-MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS = 3600
 #: The inference listener's HCM stat prefix (the chart's preStop reads http.<prefix>.downstream_rq_active).
 INFERENCE_STAT_PREFIX = "inference"
 #: Admin paths the optional health listener forwards: what the kubelet's probes and Prometheus need.
@@ -387,7 +387,7 @@ def build_envoy_config(
             f"stream idle timeout {idle:g}s must exceed the park cap plus margin "
             f"({park:g}s + {PARK_TIMEOUT_MARGIN_SECONDS:g}s), or parked requests are cut off by Envoy"
         )
-    longest_park = MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS - 2 * PARK_TIMEOUT_MARGIN_SECONDS
+    longest_park = MAX_PARK_SECONDS  # load_settings refuses more; Settings built by hand may not
     if park > longest_park:
         raise ValueError(
             f"park cap {park:g}s: Envoy's ext_proc max_message_timeout (park cap + "
