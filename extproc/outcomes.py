@@ -3,8 +3,10 @@
 Every decision the service makes ends in exactly one `Outcome`. The enum value doubles as the
 metric label (`admission_rejected_total{reason=...}`, `admission_admitted_total{via=...}`) and
 the `x-admission-outcome` response header, so logs, metrics and client-visible answers agree.
-`REJECTIONS` maps each rejecting outcome to its HTTP status and OpenAI-style error fields; the
-servicer turns that row into an Envoy ImmediateResponse and nothing else invents statuses.
+`REJECTIONS` maps each rejecting outcome to its HTTP status, OpenAI-style error fields and the
+message the client reads (`rejection_message` fills it in); the servicer turns that row into an
+Envoy ImmediateResponse and nothing else invents statuses or messages. (Envoy's own answers,
+`ENVOY_REJECTIONS`, take their messages from the local reply config in `envoyconf`.)
 """
 
 from __future__ import annotations
@@ -66,20 +68,41 @@ class Rejection:
     status: int
     error_type: str
     retry_after: bool  # whether the answer carries Retry-After (the client should try again)
+    #: The service's message to the client, a `str.format` template (`{detail}`: the body parser's
+    #: own words); None for Envoy's answers, whose messages are in envoyconf's local replies.
+    message: str | None = None
 
 
 REJECTIONS: dict[Outcome, Rejection] = {
-    Outcome.QUEUE_FULL: Rejection(503, "service_unavailable", retry_after=True),
-    Outcome.PARK_TIMEOUT: Rejection(503, "service_unavailable", retry_after=True),
-    Outcome.EXPECTED_WAIT_TOO_LONG: Rejection(503, "service_unavailable", retry_after=True),
-    Outcome.EXCEEDS_KV_CAPACITY: Rejection(400, "invalid_request_error", retry_after=False),
-    Outcome.SHUTTING_DOWN: Rejection(503, "service_unavailable", retry_after=True),
-    Outcome.BODY_TOO_LARGE: Rejection(413, "invalid_request_error", retry_after=False),
-    Outcome.INVALID_BODY: Rejection(400, "invalid_request_error", retry_after=False),
-    Outcome.MISSING_MODEL: Rejection(400, "invalid_request_error", retry_after=False),
-    Outcome.UNKNOWN_MODEL: Rejection(404, "not_found_error", retry_after=False),
-    Outcome.DUPLICATE_MODEL: Rejection(400, "invalid_request_error", retry_after=False),
-    Outcome.AMBIGUOUS_PATH: Rejection(400, "invalid_request_error", retry_after=False),
+    Outcome.QUEUE_FULL: Rejection(
+        503, "service_unavailable", retry_after=True,
+        message="engine `{engine}` is at capacity and its queue is full; retry later"),
+    Outcome.PARK_TIMEOUT: Rejection(
+        503, "service_unavailable", retry_after=True,
+        message="engine `{engine}` stayed at capacity for {max_park_seconds:g}s; retry later"),
+    Outcome.EXPECTED_WAIT_TOO_LONG: Rejection(
+        503, "service_unavailable", retry_after=True,
+        message="engine `{engine}` is at capacity and the expected wait exceeds {max_park_seconds:g}s; retry later"),
+    Outcome.EXCEEDS_KV_CAPACITY: Rejection(
+        400, "invalid_request_error", retry_after=False,
+        message="this request needs about {needed} tokens of KV cache (prompt ~{prompt_tokens} + up to "
+                "{generation_tokens} generated), more than engine `{engine}` holds in total ({capacity}); "
+                "shorten the prompt or lower max_tokens"),
+    Outcome.SHUTTING_DOWN: Rejection(
+        503, "service_unavailable", retry_after=True, message="the admission service is shutting down; retry"),
+    Outcome.BODY_TOO_LARGE: Rejection(
+        413, "invalid_request_error", retry_after=False,
+        message="request body{declared} exceeds the limit of {limit} bytes"),  # declared: " (N bytes)" or ""
+    Outcome.INVALID_BODY: Rejection(400, "invalid_request_error", retry_after=False, message="{detail}"),
+    Outcome.MISSING_MODEL: Rejection(400, "invalid_request_error", retry_after=False, message="{detail}"),
+    Outcome.UNKNOWN_MODEL: Rejection(
+        404, "not_found_error", retry_after=False,
+        message="The model `{model}` does not exist. Known models: {known}"),
+    Outcome.DUPLICATE_MODEL: Rejection(400, "invalid_request_error", retry_after=False, message="{detail}"),
+    Outcome.AMBIGUOUS_PATH: Rejection(
+        400, "invalid_request_error", retry_after=False,
+        message="the path `{path}` is an encoded or non-canonical spelling of a gated endpoint; send the plain "
+                "path (e.g. /v1/chat/completions)"),
 }
 
 #: Rejections Envoy answers itself (local reply config), in the same shape; the service never
@@ -98,6 +121,13 @@ ENVOY_REJECTIONS: dict[Outcome, Rejection] = {
 
 #: Outcomes counted in `admission_rejected_total{reason}`.
 REJECTED_REASONS: tuple[Outcome, ...] = (*REJECTIONS, Outcome.CLIENT_GONE)
+
+
+def rejection_message(outcome: Outcome, **fields: object) -> str:
+    """The client-facing message for a rejecting outcome of the service, its template filled in."""
+    template = REJECTIONS[outcome].message
+    assert template is not None, outcome
+    return template.format(**fields)
 
 
 def error_body(outcome: Outcome, message: str) -> bytes:
