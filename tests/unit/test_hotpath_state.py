@@ -3,7 +3,7 @@
 A parked or admitted request holds its ext_proc stream for as long as it waits or generates (up
 to thousands at once): its coroutines must not keep the request body (up to MAX_BODY_BYTES) alive.
 The stream's coroutine chain is inspected frame by frame while the request is parked and while it
-is admitted and open; the stand-in for Envoy's side of the stream is the one of test_park_race.
+is admitted and open; the stand-in for Envoy's side of the stream is conversation_helpers'.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 from extproc.wire import pb
 
-from .test_park_race import CannedStream, _request, _setup
+from .conversation_helpers import CannedStream
+from .conversation_helpers import chat_request as _request
+from .conversation_helpers import start_stack as _setup
 
 
 def _frame_locals(task: asyncio.Task[Any]) -> list[object]:

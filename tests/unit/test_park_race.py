@@ -8,64 +8,15 @@ exactly where the event loop can run one in production. The service's own object
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
-from collections.abc import Callable
 
 import grpc
-from prometheus_client import CollectorRegistry
 
-from extproc.admission import Admission
-from extproc.config import load_settings
-from extproc.gate import EngineSnapshot
-from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
-from extproc.servicer import ExternalProcessor
-from extproc.wire import base_pb2, pb
+from extproc.wire import pb
 
-ENV = {"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_INFLIGHT": "1", "ADMISSION_KV_BUDGET": "false"}
-
-
-def _request(model: str = "m") -> list[pb.ProcessingRequest]:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
-    headers = [(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json"),
-               ("content-length", str(len(body)))]
-    return [
-        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
-            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]))),
-        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
-    ]
-
-
-class CannedStream:
-    """Envoy's side of one ext_proc stream: canned messages in, answers recorded, a hook per answer."""
-
-    def __init__(self, messages: list[pb.ProcessingRequest], on_write: Callable[[pb.ProcessingResponse], object]) -> None:
-        self._messages = list(messages)
-        self._on_write = on_write
-        self.written: list[pb.ProcessingResponse] = []
-        self.ended = asyncio.Event()  # the HTTP stream is over: further reads see EOF
-
-    async def read(self) -> object:
-        if self._messages:
-            return self._messages.pop(0)
-        await self.ended.wait()
-        return grpc.aio.EOF
-
-    async def write(self, response: pb.ProcessingResponse) -> None:
-        self.written.append(response)
-        await asyncio.sleep(0)  # a real write yields to the loop: other streams run here
-        result = self._on_write(response)
-        if inspect.isawaitable(result):
-            await result
-
-
-async def _setup() -> tuple[Admission, Metrics, ExternalProcessor]:
-    settings = load_settings(ENV)
-    metrics = Metrics(CollectorRegistry())
-    admission = Admission(settings, metrics)
-    await admission.observe("default", EngineSnapshot(running=0, waiting=0, kv_usage=0.0, scrape_started=admission.now()))
-    return admission, metrics, ExternalProcessor(settings, admission, metrics)
+from .conversation_helpers import CannedStream
+from .conversation_helpers import chat_request as _request
+from .conversation_helpers import start_stack as _setup
 
 
 def test_wait_returns_a_decision_made_before_it_was_called() -> None:
