@@ -43,7 +43,8 @@ def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> No
     assert all(field in result for field in FIELDS), sorted(set(FIELDS) - set(result))
     assert (result["scenario"], result["mode"], result["replicas"]) == ("smoke", mode, replicas)
     assert result["requests"] == 6
-    assert result["completed"] + sum(result["rejected"].values()) + sum(result["incomplete"].values()) + result["gave_up"] == 6
+    rejected, incomplete = sum(result["rejected"].values()), sum(result["incomplete"].values())
+    assert result["completed"] + rejected + incomplete + result["gave_up"] == 6
     assert result["incomplete"] == {}
     assert result["preemptions"] >= 0
     assert result["stale_transitions"] == 0
@@ -93,7 +94,8 @@ def test_the_older_engine_profile_and_the_engines_own_queue_limit() -> None:
     older, _ = run_bench("--mode", "none", "--engine", "vllm-0.11")
     assert (older["engine"], older["completed"]) == ("vllm-0.11", 6)
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.admission", "--scenario", "smoke", "--mode", "vllm-builtin", "--engine", "vllm-0.11"],
+        [sys.executable, "-m", "bench.admission", "--scenario", "smoke", "--mode", "vllm-builtin",
+         "--engine", "vllm-0.11"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "vllm-builtin needs --engine vllm-0.33" in proc.stderr

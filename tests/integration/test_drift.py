@@ -37,7 +37,8 @@ def test_running_above_max_inflight_is_logged_once_counted_and_shown(make_stack:
 
     # Running exactly at the limit is not drift.
     stack.pin(running=3, waiting=0)
-    wait_until(lambda: stack.metric("vllm_requests_running", engine="default") == 3, 10, "the gateway to read running=3")
+    wait_until(lambda: stack.metric("vllm_requests_running", engine="default") == 3, 10,
+               "the gateway to read running=3")
     assert stack.metric("admission_engine_limit_drift_total", engine="default") == 0
     assert _records(stack, DRIFT_LOG) == []
 
@@ -48,7 +49,8 @@ def test_running_above_max_inflight_is_logged_once_counted_and_shown(make_stack:
     assert stack.metric("admission_engine_limit_drift_total", engine="default") == 1
     # Many more polls at running=5: still one transition, one log line.
     polls = stack.metric("engine_poll_duration_seconds_count", engine="default")
-    wait_until(lambda: stack.metric("engine_poll_duration_seconds_count", engine="default") >= polls + 5, 10, "5 more polls")
+    wait_until(lambda: stack.metric("engine_poll_duration_seconds_count", engine="default") >= polls + 5, 10,
+               "5 more polls")
     stack.pin(running=7)
     wait_until(lambda: stack.metric("admission_engine_running_over_limit", engine="default") == 4, 10, "over by 4")
     assert stack.metric("admission_engine_limit_drift_total", engine="default") == 1
@@ -61,5 +63,6 @@ def test_running_above_max_inflight_is_logged_once_counted_and_shown(make_stack:
     wait_until(lambda: stack.metric("admission_engine_running_over_limit", engine="default") == 0, 10, "back to 0")
     wait_until(lambda: len(_records(stack, BACK_LOG)) == 1, 5, "the recovery to be logged")
     stack.pin(running=4)
-    wait_until(lambda: stack.metric("admission_engine_limit_drift_total", engine="default") == 2, 10, "a second transition")
+    wait_until(lambda: stack.metric("admission_engine_limit_drift_total", engine="default") == 2, 10,
+               "a second transition")
     assert len(_records(stack, DRIFT_LOG)) == 2

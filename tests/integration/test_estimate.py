@@ -16,7 +16,8 @@ from .http import chat_body, post
 URL = "/v1/chat/completions"
 # The counted estimate with its defaults (conftest pins the old one for the other tests), asking
 # the engine from 1 KiB: the small simulator's cache holds 8,192 tokens, so its prompts are small.
-COUNTED = {"ADMISSION_ESTIMATE": "counted", "ADMISSION_BYTES_PER_TOKEN": "2.5", "ADMISSION_TOKENIZE_ABOVE_BYTES": "1024"}
+COUNTED = {"ADMISSION_ESTIMATE": "counted", "ADMISSION_BYTES_PER_TOKEN": "2.5",
+           "ADMISSION_TOKENIZE_ABOVE_BYTES": "1024"}
 HEX = [sized_content("hex", 3000, seed=11, index=i) for i in range(3)]  # 3,000 true tokens, ~3.4 KB each
 
 

@@ -77,7 +77,8 @@ EVENT = st.one_of(
 )
 
 
-@settings(max_examples=int(os.environ.get("LEDGER_EXAMPLES", "30")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("LEDGER_EXAMPLES", "30")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events=st.lists(EVENT, min_size=5, max_size=40))
 def test_replicas_sharing_redis_decide_exactly_as_one_gate(redis_server: RedisServer, events: list) -> None:
     asyncio.run(_replay(redis_server.url, f"prop{next(_prefixes)}", events))
@@ -111,7 +112,8 @@ async def _replay(url: str, prefix: str, events: list) -> None:
                                 lease_until=now[0] + 1_000)
                 owner[ticket.id] = replica
                 note(seen_one, [one.arrive(replace(ticket), now[0])])
-                note(seen_shared, await ledgers[replica].transact("e", lambda g, t=ticket: [g.arrive(replace(t), now[0])]))
+                note(seen_shared,
+                     await ledgers[replica].transact("e", lambda g, t=ticket: [g.arrive(replace(t), now[0])]))
             elif kind == "finish":
                 live = [t.id for t in (*one.admitted(), *one.queued())]
                 if not live:

@@ -37,7 +37,8 @@ def _chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    message = "chromium not found on PATH (Debian: apt-get install chromium; scripts/install-system-deps.sh installs it)"
+    message = ("chromium not found on PATH "
+               "(Debian: apt-get install chromium; scripts/install-system-deps.sh installs it)")
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI=true and {message}")
     pytest.skip(message)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_committed_dashboard_and_chart_copies_are_what_the_generator_produces() -> None:
     for path, text in generate.outputs().items():
         assert path.exists(), f"{path} missing: run .venv/bin/python -m dashboards.generate"
-        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run .venv/bin/python -m dashboards.generate"
+        assert path.read_text() == text, (f"{path.relative_to(ROOT)} is stale: "
+                                          "run .venv/bin/python -m dashboards.generate")
 
 
 def test_generator_check_mode_reports_a_stale_file(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -37,7 +38,8 @@ def test_dashboard_has_the_required_panels_on_the_right_series() -> None:
     required = {
         "Admission decisions per second, by outcome": ["admission_admitted_total", "admission_rejected_total"],
         "Parked and in flight": ["admission_queue_depth", "admission_inflight"],
-        "Park time p50 / p95": ["histogram_quantile(0.5", "histogram_quantile(0.95", "admission_park_duration_seconds_bucket"],
+        "Park time p50 / p95": ["histogram_quantile(0.5", "histogram_quantile(0.95",
+                                "admission_park_duration_seconds_bucket"],
         "Running requests: gateway view vs vLLM": ["vllm_requests_running", "vllm[:_]num_requests_running"],
         "Waiting requests: gateway view vs vLLM": ["vllm_requests_waiting", "vllm[:_]num_requests_waiting"],
         "KV cache usage: gateway view vs vLLM": ["vllm_kv_usage_perc", "vllm[:_]kv_cache_usage_perc"],

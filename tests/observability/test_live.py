@@ -241,7 +241,8 @@ def test_every_dashboard_query_has_data_and_the_alerts_fire_on_a_live_stack(
             assert any(label in s["metric"] for s in prometheus.query(metric)), variable["query"]
 
     # The gateway and vLLM agree once the engine is idle (the two lines of the side-by-side panels).
-    running = wait_for(prometheus, 'sum({__name__=~"vllm[:_]num_requests_running"}) == 0 and on() sum(vllm_requests_running) == 0',
+    running = wait_for(prometheus,
+                       'sum({__name__=~"vllm[:_]num_requests_running"}) == 0 and on() sum(vllm_requests_running) == 0',
                        "both views of running to read 0")
     assert running
 
@@ -262,15 +263,18 @@ def test_every_dashboard_query_has_data_and_the_alerts_fire_on_a_live_stack(
     redis.stop()
     assert chat(stack)[0] == 200
     ledger = wait_for(prometheus, rules["LLMAdmissionLedgerDegraded"], "the ledger-degraded alert expression")
-    assert [(s["metric"]["engine"], s["metric"]["job"], s["value"][1]) for s in ledger] == [("default", "llm-admission", "1")]
+    assert ([(s["metric"]["engine"], s["metric"]["job"], s["value"][1]) for s in ledger]
+            == [("default", "llm-admission", "1")])
 
     # Break the engine's metrics: the degraded alert's expression turns true, and Prometheus
     # evaluates the rule to pending (for: 1m) on its own.
     assert prometheus.query(rules["LLMAdmissionObserverDegraded"]) == []
     sim(stack, "/control/metrics_mode", {"mode": "garbage"})
     degraded = wait_for(prometheus, rules["LLMAdmissionObserverDegraded"], "the observer-degraded alert expression")
-    assert [(s["metric"]["engine"], s["metric"]["job"], s["value"][1]) for s in degraded] == [("default", "llm-admission", "1")]
-    wait_until(lambda: any(a["labels"]["alertname"] == "LLMAdmissionObserverDegraded" and a["state"] in ("pending", "firing")
+    assert ([(s["metric"]["engine"], s["metric"]["job"], s["value"][1]) for s in degraded]
+            == [("default", "llm-admission", "1")])
+    wait_until(lambda: any(a["labels"]["alertname"] == "LLMAdmissionObserverDegraded"
+                           and a["state"] in ("pending", "firing")
                            for a in prometheus.api("alerts")["alerts"]), 20.0, "the degraded alert to be pending")
     wait_for(prometheus, rules["LLMAdmissionEngineStateStale"], "the stale alert expression")
 

@@ -41,7 +41,8 @@ models = mostly(st.sampled_from(["m", "sim-model", "m\U0001f600", "mod\"el", "m?
                 st.sampled_from(["", "?", "m\ud800"]) | st.text(max_size=6) | json_values)
 streams = mostly(st.booleans() | st.none() | bool_strings | st.sampled_from([0, 1, 0.0, 1.0, -0.0]),
                  st.sampled_from([2, 0.5, -1]) | json_values)
-token_values = mostly(st.integers(-5, 10**6) | st.sampled_from([100000.0, 1e5, 2.0**62, True, False, None]) | int_strings,
+token_values = mostly(st.integers(-5, 10**6) | st.sampled_from([100000.0, 1e5, 2.0**62, True, False, None])
+                      | int_strings,
                       st.sampled_from([100000.5, 1e300, 2.0**63, "1_000", "0x10", "1e5", "abc", "\u000b5", "5\u00a0"])
                       | json_values)
 KEPT = {"model": models, "stream": streams, "max_tokens": token_values, "max_completion_tokens": token_values}

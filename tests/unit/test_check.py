@@ -84,7 +84,8 @@ async def test_more_running_than_max_inflight_is_a_warning(reference: Sim, capsy
     await reference.control("pin", {"running": 6, "waiting": 0})
     status, out = await _check(capsys, reference.base_url, json_out=False)
     assert status == 0
-    assert "WARNING: the engine runs 6 requests, more than max_inflight 4: max_inflight must equal the engine's --max-num-seqs" in out
+    assert ("WARNING: the engine runs 6 requests, more than max_inflight 4: "
+            "max_inflight must equal the engine's --max-num-seqs") in out
 
 
 async def test_a_request_larger_than_the_cache_is_refused(make_sim: Callable[..., Awaitable[Sim]],  # noqa: F811

@@ -95,7 +95,8 @@ def test_a_body_cut_in_half_after_capacity_was_seen_is_a_failed_poll() -> None:
 
 def test_a_cut_between_two_ranks_of_cache_config_info_is_rejected() -> None:
     lines = EXPOSITION.splitlines(keepends=True)
-    text = "".join(line for line in lines if not line.startswith('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1"'))
+    info = 'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1"'
+    text = "".join(line for line in lines if not line.startswith(info))
     with pytest.raises(MetricsFormatError, match="ranks"):
         parse_engine_metrics(text)
 
@@ -160,7 +161,8 @@ def test_the_engines_token_counters_are_summed_over_ranks_and_optional() -> None
     )
     counters = (
         '# TYPE vllm:prompt_tokens_total counter\n'
-        'vllm:prompt_tokens_total{engine="0",model_name="m"} 100\nvllm:prompt_tokens_total{engine="1",model_name="m"} 50\n'
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 100\n'
+        'vllm:prompt_tokens_total{engine="1",model_name="m"} 50\n'
         '# TYPE vllm:generation_tokens_total counter\n'
         'vllm:generation_tokens_total{engine="0",model_name="m"} 7\n'
         '# TYPE vllm:request_generation_tokens histogram\n'

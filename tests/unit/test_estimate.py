@@ -56,7 +56,8 @@ def test_messages_tool_calls_and_token_ids_are_counted() -> None:
     body = {"model": "m", "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
     facts = scan_body(json.dumps(body).encode())
     assert facts.messages == 3
@@ -346,7 +347,8 @@ def _train_tokenizer_json(path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = [sized_content(kind, 2048, seed=3, index=i) for kind in ("prose", "code", "json") for i in range(2)]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(corpus,
+                            trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path))
     return path
 
@@ -427,7 +429,8 @@ async def test_calibration_follows_the_engine_counter_and_publishes_the_ratio(se
     facts = scan_body(body)
     est.observe(engine, 1_000.0, 1.0)
     for i in range(8):
-        cost = await est.estimate(est._settings.engines[0], endpoint_for(CHAT), body, facts, 1_000.0 + 8192 * i, 2.0 + i)
+        cost = await est.estimate(est._settings.engines[0], endpoint_for(CHAT), body, facts, 1_000.0 + 8192 * i,
+                                  2.0 + i)
         est.admitted(engine, "sim-model", cost)
         est.observe(engine, 1_000.0 + 8192 * (i + 1), 2.5 + i)
         est.finished(engine, facts)

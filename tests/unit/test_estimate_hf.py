@@ -38,7 +38,8 @@ def test_a_completion_prompt_counts_exactly_what_the_engine_counts(tokenizer_jso
 
 
 @pytest.mark.parametrize("kind", ["json", "cjk", "hex"])
-def test_a_chat_prompt_counts_its_text_exactly_and_the_template_from_the_settings(tokenizer_json: Path, kind: str) -> None:
+def test_a_chat_prompt_counts_its_text_exactly_and_the_template_from_the_settings(tokenizer_json: Path,
+                                                                                   kind: str) -> None:
     overhead = TemplateOverhead()
     local = LocalTokenizer(str(tokenizer_json), overhead)
     content = sized_content(kind, 8192, seed=9, index=1)

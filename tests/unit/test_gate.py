@@ -208,7 +208,8 @@ _arrive = st.tuples(st.just("arrive"), st.floats(0, 2))
 ops = st.lists(
     st.one_of(
         _arrive, _arrive, _arrive,  # arrivals dominate, so bursts between polls are common
-        st.tuples(st.just("observe"), st.tuples(st.integers(0, 3), st.integers(0, 1), st.sampled_from([0.0, 0.5, 0.95]))),
+        st.tuples(st.just("observe"),
+                  st.tuples(st.integers(0, 3), st.integers(0, 1), st.sampled_from([0.0, 0.5, 0.95]))),
         st.tuples(st.just("fail"), st.none()),
         st.tuples(st.just("finish"), st.integers(0, 50)),
         st.tuples(st.just("abandon"), st.integers(0, 50)),
@@ -241,7 +242,8 @@ def test_gate_invariants_hold_under_any_interleaving(ops: list, local: bool, dep
 
     for op, arg in ops:
         admitted_before = sum(1 for outs in final.values() for o in outs if o.admits)
-        gated_before = sum(1 for outs in final.values() for o in outs if o in (Outcome.ADMITTED, Outcome.ADMITTED_AFTER_PARK))
+        gated_before = sum(1 for outs in final.values() for o in outs
+                           if o in (Outcome.ADMITTED, Outcome.ADMITTED_AFTER_PARK))
         if op == "arrive":
             now += arg
             d = gate.arrive(Ticket(model="m", arrived=now), now)
