@@ -7,12 +7,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps run test unit envoy-config protos clean help
+.PHONY: setup system-deps run test unit lint envoy-config protos clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
 	@echo "make test          run the whole test suite"
 	@echo "make unit          run only the fast unit tests"
+	@echo "make lint          ruff and mypy (mypy strict on the service package)"
 	@echo "make envoy-config  regenerate envoy/envoy.yaml from the default settings"
 
 $(STAMP): pyproject.toml
@@ -31,6 +32,10 @@ system-deps:
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/mypy
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit tests/enginesim -q
