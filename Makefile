@@ -7,14 +7,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps run test unit lint envoy-config protos clean help
+.PHONY: setup system-deps run test unit lint generate clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
 	@echo "make test          run the whole test suite"
 	@echo "make unit          run only the fast unit tests"
 	@echo "make lint          ruff and mypy (mypy strict on the service package)"
-	@echo "make envoy-config  regenerate envoy/envoy.yaml from the default settings"
+	@echo "make generate      rewrite every generated file: envoy/envoy.yaml, the dashboard and the chart's"
+	@echo "                   copies, the ext_proc stubs in extproc/_proto (a test fails when one is stale)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,11 +41,8 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit tests/enginesim -q
 
-envoy-config: $(STAMP)
-	env -i PATH="$$PATH" ADMISSION_OBSERVE_MODELS=sim-model $(VENV)/bin/extproc envoy-config -o envoy/envoy.yaml
-
-protos: $(STAMP)
-	$(PY) scripts/generate_protos.py
+generate: $(STAMP)
+	$(PY) scripts/generate.py
 
 clean:
 	rm -rf $(VENV) run .pytest_cache .hypothesis *.egg-info

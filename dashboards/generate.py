@@ -1,7 +1,8 @@
 """The Grafana dashboard, as code (grafana-foundation-sdk), and the files the Helm chart ships.
 
-    .venv/bin/python -m dashboards.generate           # rewrite the generated files
-    .venv/bin/python -m dashboards.generate --check   # exit 1 if any is stale (a test runs this)
+    make generate                                     # every generated file (scripts/generate.py)
+    .venv/bin/python -m dashboards.generate           # only these
+    .venv/bin/python -m dashboards.generate --check   # exit 1 if any is stale
 
 Writes `dashboards/llm-admission.json` and the chart's copies, `helm/llm-admission/files/`
 `llm-admission.json` and `llm-admission.rules.yml` (Helm can only read files inside the chart;

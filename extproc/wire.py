@@ -2,7 +2,7 @@
 
 Every module that speaks the ext_proc protocol imports the generated messages from here, so where
 the stubs come from is decided in this file alone: extproc/_proto/, compiled by
-scripts/generate_protos.py (`make protos`) from the Envoy API files vendored in proto/ (see
+scripts/generate_protos.py (`make generate`) from the Envoy API files vendored in proto/ (see
 proto/README.md for their commits). Those stubs register the .proto files in protobuf's default
 descriptor pool under their Envoy names, so no other copy of them (xds-protos, say) may be imported
 in the same process.
