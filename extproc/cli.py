@@ -147,7 +147,8 @@ def _serve(settings: Settings, grace: float) -> int:
     configure(settings.log_level, settings.log_format)
     log.info("effective configuration", extra={"config": settings.summary()})
     if not settings.gating:
-        log.warning("no models configured (ADMISSION_OBSERVE_MODELS / EXTPROC_CONFIG): every request passes through ungated")
+        log.warning("no models configured (ADMISSION_OBSERVE_MODELS / EXTPROC_CONFIG): "
+                    "every request passes through ungated")
     for engine in settings.engines:
         if engine.models:
             log.info(

@@ -323,7 +323,8 @@ def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | Non
     got = pick("max_queue_depth", "VLLM_MAX_QUEUE_DEPTH")
     depth = _int(*got, 0) if got else (d.max_queue_depth if d else 8)
     got = pick("max_park_seconds", "ADMISSION_MAX_PARK_SECONDS")
-    park = _float(*got, 0.0, MAX_PARK_SECONDS, low_open=True) if got else (d.max_park_seconds if d else DEFAULT_MAX_PARK_SECONDS)
+    park = (_float(*got, 0.0, MAX_PARK_SECONDS, low_open=True) if got
+            else (d.max_park_seconds if d else DEFAULT_MAX_PARK_SECONDS))
     got = pick("kv_capacity_tokens", "ADMISSION_KV_CAPACITY_TOKENS")
     capacity = _int(*got, 1) if got else (d.kv_capacity_tokens if d else None)
     return EngineLimits(max_inflight=max_inflight, kv_threshold=kv, max_queue_depth=depth, max_park_seconds=park,

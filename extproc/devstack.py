@@ -68,7 +68,8 @@ def wait_until(check: Callable[[], _T], timeout: float, what: str, interval: flo
         except (OSError, ValueError) as exc:
             last_error = exc
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}"
+                       + (f" (last error: {last_error})" if last_error else ""))
 
 
 class ChildExited(RuntimeError):
@@ -147,7 +148,7 @@ class RedisServer:
         if binary is None:
             raise FileNotFoundError("redis-server not found: install Debian's `redis-server` (make system-deps)")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for attempt in range(3):
+        for _attempt in range(3):
             port = self.port or free_port()
             argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
                     "--dir", str(self.workdir), "--protected-mode", "yes"]
@@ -412,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  engine:                      {stack.engine_base}\n\n"
             "  Try:\n"
             f"    curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
-            f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 8}}'\n\n"
+            f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+            f"\"max_tokens\": 8}}'\n\n"
             "  Ctrl-C stops all three.\n",
             flush=True,
         )

@@ -200,7 +200,8 @@ def _multipart_facts(body: bytes, content_type: str, complete: bool) -> BodyFact
         head, sep, value = piece.partition(b"\r\n\r\n")
         if not sep:
             continue
-        disposition = next((line for line in head.split(b"\r\n") if line.lower().startswith(b"content-disposition")), b"")
+        disposition = next((line for line in head.split(b"\r\n") if line.lower().startswith(b"content-disposition")),
+                           b"")
         name = _NAME.search(disposition)
         if name is None:
             continue
@@ -212,7 +213,8 @@ def _multipart_facts(body: bytes, content_type: str, complete: bool) -> BodyFact
     if len(models) > 1:
         raise BodyError(Outcome.DUPLICATE_MODEL, "request form has more than one `model` field")
     if not models:
-        hint = "" if complete else " (send the `model` field before the file: only the first part of a large upload is read)"
+        hint = ("" if complete else
+                " (send the `model` field before the file: only the first part of a large upload is read)")
         raise BodyError(Outcome.MISSING_MODEL, f"request form has no `model` field{hint}")
     try:
         model = models[0].decode("utf-8").strip()

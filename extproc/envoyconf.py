@@ -162,7 +162,8 @@ def memory_bytes(quantity: str | int) -> int:
     """A Kubernetes memory quantity in bytes: an integer with an optional unit (Ki, Mi, Gi, Ti, k, M, G, T)."""
     match = re.fullmatch(r"([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(quantity).strip())
     if not match:
-        raise ValueError(f"memory quantity {quantity!r}: want an integer with an optional unit Ki, Mi, Gi, Ti, k, M, G or T")
+        raise ValueError(f"memory quantity {quantity!r}: "
+                         "want an integer with an optional unit Ki, Mi, Gi, Ti, k, M, G or T")
     return int(match.group(1)) * _QUANTITY_UNITS[match.group(2) or ""]
 
 
@@ -173,7 +174,8 @@ def heap_cap_bytes(memory_limit_bytes: int) -> int:
 
 def max_downstream_connections(memory_limit_bytes: int, buffer_bytes: int) -> int:
     """Downstream connections one Envoy may hold, each with up to two body-cap buffers, within its heap cap."""
-    connections = (heap_cap_bytes(memory_limit_bytes) - ENVOY_BASE_HEAP_BYTES) // (BUFFERS_PER_CONNECTION * buffer_bytes)
+    per_connection = BUFFERS_PER_CONNECTION * buffer_bytes
+    connections = (heap_cap_bytes(memory_limit_bytes) - ENVOY_BASE_HEAP_BYTES) // per_connection
     if connections < MIN_DOWNSTREAM_CONNECTIONS:
         raise ValueError(
             f"Envoy's memory limit ({memory_limit_bytes} bytes) leaves room for {max(connections, 0)} connections of "
@@ -191,7 +193,8 @@ def _overload_manager(memory_limit_bytes: int, connections: int) -> dict[str, An
                 "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
                 "max_heap_size_bytes": heap_cap_bytes(memory_limit_bytes)}},
             {"name": "envoy.resource_monitors.global_downstream_max_connections", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "@type": ("type.googleapis.com/"
+                          "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
                 "max_active_downstream_connections": connections}},
         ],
         "actions": [
@@ -435,7 +438,8 @@ def build_envoy_config(
             {
                 "name": "envoy.http.early_header_mutation.header_mutation",
                 "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                    "@type": ("type.googleapis.com/"
+                              "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"),
                     "mutations": [{"remove_on_match": {"key_matcher": {"prefix": STRIPPED_HEADER_PREFIX}}}],
                 },
             }
