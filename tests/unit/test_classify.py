@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from extproc.bodyscan import BodyFacts
-from extproc.classify import (Gated, Passed, Rejected, Routed, classify_body, classify_headers,
-                              route)
+from extproc.classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, route
 from extproc.config import Settings, load_settings
 from extproc.endpoints import PathRules
 from extproc.estimate import TemplateOverhead, estimate_from_bytes

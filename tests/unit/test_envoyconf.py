@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +137,8 @@ def test_nothing_gated_means_no_bound_on_the_engine_cluster() -> None:
 def test_the_breakers_answer_is_shaped_like_the_services() -> None:
     service, *mappers = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["local_reply_config"]["mappers"]
     # The service's own answers (details `admission_<outcome>`) come first and are left as they are.
-    assert service == {"filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+    assert service == {"filter": {"extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
         "expression": "response.code_details.startsWith('admission_')"}}}}
     (mapper,) = [m for m in mappers if m["filter"] == {"response_flag_filter": {"flags": ["UO"]}}]
@@ -184,14 +184,16 @@ def test_the_connection_cap_leaves_room_for_two_body_buffers_per_connection(limi
     # Every connection at two full buffers, plus Envoy's own 128 MiB, stays within the heap cap.
     assert cap * 2 * body + 128 * 2**20 <= heap < (cap + 1) * 2 * body + 128 * 2**20
     actions = {a["name"]: a["triggers"][0]["threshold"]["value"] for a in doc["overload_manager"]["actions"]}
-    assert actions == {"envoy.overload_actions.shrink_heap": 0.95, "envoy.overload_actions.stop_accepting_requests": 0.98}
+    assert actions == {"envoy.overload_actions.shrink_heap": 0.95,
+                       "envoy.overload_actions.stop_accepting_requests": 0.98}
     _validate(render_envoy_config(settings, memory_limit_bytes=memory_bytes(limit)), tmp_path)
 
 
 def test_the_committed_local_config_has_the_overload_manager_of_the_default_limit() -> None:
     doc = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
     assert _monitors(doc)["envoy.resource_monitors.global_downstream_max_connections"] == {
-        "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+        "@type": ("type.googleapis.com/"
+                  "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
         "max_active_downstream_connections": 166}
 
 
@@ -200,7 +202,8 @@ def test_an_explicit_cap_wins_and_no_limit_means_no_overload_manager() -> None:
 
     settings = load_settings(LOCAL_ENV)
     doc = build_envoy_config(settings, memory_limit_bytes=DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, downstream_connections=5000)
-    assert _monitors(doc)["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"] == 5000
+    monitor = _monitors(doc)["envoy.resource_monitors.global_downstream_max_connections"]
+    assert monitor["max_active_downstream_connections"] == 5000
     # The local stack's Envoy runs without a container limit (and benchmarks hold thousands of
     # connections): the dict builder adds no overload manager unless given a limit; the config
     # file (`extproc envoy-config`, envoy/envoy.yaml) is for the chart's default 512 MiB container.
@@ -241,8 +244,10 @@ def test_envoy_refuses_connections_beyond_the_cap_and_serves_the_others(tmp_path
 
     port, admin = free_port(), free_port()
     path = tmp_path / "envoy.yaml"
-    path.write_text(render_envoy_config(load_settings(LOCAL_ENV), listen_port=port, admin_port=admin, downstream_connections=2))
-    envoy = subprocess.Popen([ENVOY, "-c", str(path), "--log-level", "warn", "--concurrency", "1", "--disable-hot-restart"],
+    path.write_text(render_envoy_config(load_settings(LOCAL_ENV), listen_port=port, admin_port=admin,
+                                        downstream_connections=2))
+    envoy = subprocess.Popen([ENVOY, "-c", str(path), "--log-level", "warn", "--concurrency", "1",
+                              "--disable-hot-restart"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     socks: list[socket.socket] = []
     try:
