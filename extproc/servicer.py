@@ -9,30 +9,45 @@ Protocol rules this module relies on (Envoy 1.40, DESIGN.md):
   the first override counts, so a parked request gets exactly one, sized above the park cap.
 - The stream stays open until the HTTP stream ends, even after the last request-phase answer.
   Its end is the completion signal that frees the request's slot in the local ledger; a stream
-  that ends while parked means the client went away.
+  that ends or breaks while parked means the client went away.
 - Rejections are ImmediateResponses (HTTP status + JSON body), never gRPC errors: a gRPC error
-  would hand the request to Envoy's failure mode instead of giving the client an answer.
+  would hand the request to Envoy's failure mode instead of giving the client an answer. After
+  one, the servicer ends the stream itself.
+- Anything out of that order (a stream that does not start with `request_headers`, no
+  `request_body` after a gated request's headers, response-phase messages) is answered with the
+  matching CONTINUE until the stream ends; a message that arrives while parked is logged and not
+  answered (Envoy sends none while it waits for the body's answer).
+
+Shape: `ExternalProcessor.Process` is a loop that reads the stream and feeds each message to the
+stream's `Conversation`; while the request is parked it also waits for the gate, whichever comes
+first, and feeds the gate's decision to it (`decided`). The conversation holds the protocol: what to
+answer in which phase, from the pure verdicts of `extproc.classify` and the gate's decisions;
+it records every metric and log line about the request in one method (`_record`), and releases
+the request's ticket when the stream ends (`close`, from the loop's `finally`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf import duration_pb2
 
 from .admission import Admission
-from .bodyscan import BodyError, BodyFacts
+from .classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, route
 from .config import EngineConfig, Settings
 from .contract import OUTCOME_HEADER, PARK_TIMEOUT_MARGIN_SECONDS, ROUTE_HEADER
-from .endpoints import PathRules, Route, body_facts, endpoint_for
+from .endpoints import PathRules
+from .estimate import CostEstimate
 from .gate import Decision, Ticket
 from .metrics import Metrics
 from .models import ModelRegistry
-from .outcomes import REJECTIONS, Outcome, error_body
+from .outcomes import REJECTIONS, Outcome, error_body, rejection_message
 from .tokencount import Estimator
 from .wire import base_pb2, http_status_pb2, pb, pb_grpc, processing_mode_pb2
 
@@ -45,276 +60,332 @@ _SKIP_BODY = pb.ProcessingResponse(
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE),
 )
 
+Write = Callable[[pb.ProcessingResponse], Awaitable[None]]
 
-@dataclass
+
+class Phase(enum.Enum):
+    HEADERS = "headers"  # nothing seen yet: `request_headers` expected
+    BODY = "body"  # a gated request's headers answered: `request_body` expected
+    PARKED = "parked"  # the park answer sent: waiting for the gate's decision or the stream's end
+    OPEN = "open"  # answered: CONTINUE to anything else until the HTTP stream ends
+    DONE = "done"  # rejected: the servicer ends the stream
+
+
+@dataclass(eq=False, slots=True)
 class _Stream:
-    """What one ext_proc stream (one HTTP request) has accumulated."""
+    """What one ext_proc stream (one HTTP request) has accumulated; never the body itself."""
 
     request_id: str = "-"
-    path: str = ""
-    engine: EngineConfig | None = None
+    target: str = ""  # `:path` as sent, query included
+    phase: Phase = Phase.HEADERS
+    gated: Gated | None = None  # until the body is read
+    routed: Routed | None = None  # engine, endpoint and body facts of a request that reached the gate
+    cost: CostEstimate | None = None
     ticket: Ticket | None = None
-    admitted: BodyFacts | None = None  # the body facts of a request sent to the engine (calibration)
+    admitted: bool = False  # sent to the engine (its facts feed the estimator's calibration at the end)
+    waiting: asyncio.Future[Decision] | None = None  # while parked: the gate's decision, for `decided`
+    started: float = 0.0  # perf_counter when the decision being made began (decision latency)
 
     def __repr__(self) -> str:
-        return f"<Stream {self.request_id} {self.path} engine={self.engine.name if self.engine else None} {self.ticket}>"
+        engine = self.routed.engine.name if self.routed is not None else None
+        path = self.target.split("?", 1)[0]
+        return f"<Stream {self.request_id} {path} {self.phase.value} engine={engine} {self.ticket}>"
+
+
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """What every stream's conversation uses: built once by the servicer."""
+
+    settings: Settings
+    admission: Admission
+    metrics: Metrics
+    paths: PathRules
+    models: ModelRegistry
+    estimator: Estimator
+    admitted_responses: dict[str, pb.ProcessingResponse]  # by engine name
+    park_responses: dict[str, pb.ProcessingResponse]  # by engine name
+
+
+class Conversation:
+    """One stream's side of the ext_proc protocol: fed Envoy's messages and the gate's decision,
+    it writes the answers through `write`."""
+
+    __slots__ = ("stream", "_shared", "_write")
+
+    def __init__(self, shared: _Shared, write: Write) -> None:
+        self.stream = _Stream()
+        self._shared = shared
+        self._write = write
+
+    def __repr__(self) -> str:
+        return f"<Conversation {self.stream!r}>"
+
+    async def receive(self, message: pb.ProcessingRequest) -> None:
+        """One message from Envoy."""
+        phase = self.stream.phase
+        if phase is Phase.OPEN:
+            await self._write(_continue_for(message))
+        elif phase is Phase.HEADERS and message.HasField("request_headers"):
+            await self._on_headers(message.request_headers)
+        elif phase is Phase.BODY and message.HasField("request_body"):
+            step = await self._on_body(message.request_body)
+            del message  # decided: a parked or admitted request must not keep its body (up to MAX_BODY_BYTES)
+            await self._answer(step)
+        elif phase is Phase.PARKED:
+            log.warning("unexpected message while parked: %s", message.WhichOneof("request"))
+        else:
+            log.warning("expected %s, got %s; answering CONTINUE", "request_headers" if phase is Phase.HEADERS
+                        else "request_body", message.WhichOneof("request"))
+            self.stream.phase = Phase.OPEN
+            await self._write(_continue_for(message))
+
+    async def decided(self, decision: Decision) -> None:
+        """The gate's decision about the parked ticket."""
+        self.stream.waiting = None
+        self.stream.started = time.perf_counter()
+        await self._answer(decision)
+
+    def failed(self) -> None:
+        """The stream failed with an exception (being handled): Envoy's failure mode decides."""
+        self._record(None)
+
+    async def close(self) -> None:
+        """The stream is over, however it ended: release what the request holds."""
+        s = self.stream
+        waiting, s.waiting = s.waiting, None
+        if waiting is not None:
+            if not waiting.done():
+                self._record(Outcome.CLIENT_GONE)
+            waiting.cancel()  # a cancelled wait takes the ticket out of the queue (as client_gone)
+            await asyncio.gather(waiting, return_exceptions=True)
+        if s.routed is not None:
+            engine = s.routed.engine.name
+            if s.ticket is not None:
+                await self._shared.admission.finish(engine, s.ticket)
+            if s.admitted:
+                self._shared.estimator.finished(engine, s.routed.facts)
+
+    # --- phases ----------------------------------------------------------------------------------
+
+    async def _on_headers(self, request: pb.HttpHeaders) -> None:
+        s, shared = self.stream, self._shared
+        headers = _header_map(request)
+        s.request_id = headers.get("x-request-id", "-")
+        s.target = headers.get(":path", "")
+        verdict = classify_headers(headers, request.end_of_stream, shared.paths, shared.settings)
+        if isinstance(verdict, Gated):
+            s.gated = verdict
+            s.phase = Phase.BODY
+            await self._write(_CONTINUE_HEADERS)
+        elif isinstance(verdict, Passed):
+            self._record(Outcome.PASSED_THROUGH, verdict.reason)
+            s.phase = Phase.OPEN
+            await self._write(_SKIP_BODY)
+        else:
+            await self._reject(verdict.outcome, verdict.message)
+
+    async def _on_body(self, body: pb.HttpBody) -> Passed | Rejected | Decision:
+        """Classify the body, route it, estimate its cost and ask the gate: the step to answer."""
+        s, shared = self.stream, self._shared
+        s.started = time.perf_counter()
+        gated, s.gated = s.gated, None
+        assert gated is not None
+        facts = classify_body(gated, body.body, body.end_of_stream, shared.settings)
+        if isinstance(facts, (Passed, Rejected)):
+            return facts
+        routed = route(gated, facts, await shared.models.lookup(facts.model), shared.models.known)
+        if isinstance(routed, Rejected):
+            return routed
+        s.routed = routed
+        engine = routed.engine
+        snap = shared.admission.gate(engine.name).snapshot
+        s.cost = cost = await shared.estimator.estimate(engine, routed.endpoint, body.body, facts,
+                                                        snap.prompt_tokens_total if snap else None,
+                                                        snap.scrape_started if snap else None)
+        decision = await shared.admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens)
+        s.ticket = decision.ticket
+        return decision
+
+    async def _answer(self, step: Passed | Rejected | Decision) -> None:
+        s, shared = self.stream, self._shared
+        if isinstance(step, Passed):
+            self._record(Outcome.PASSED_THROUGH, step.reason)
+            s.phase = Phase.OPEN
+            await self._write(_CONTINUE_BODY)
+            return
+        if isinstance(step, Rejected):
+            await self._reject(step.outcome, step.message)
+            return
+        outcome, routed = step.outcome, s.routed
+        assert routed is not None and s.cost is not None
+        engine = routed.engine.name
+        if outcome is Outcome.PARKED:
+            self._record(outcome)
+            s.phase = Phase.PARKED
+            # The ticket may be decided (admitted by a completion, expired, drained) while this
+            # write is in flight; `wait` still returns that decision.
+            await self._write(shared.park_responses[engine])
+            s.waiting = asyncio.ensure_future(shared.admission.wait(engine, step.ticket))
+        elif outcome.admits:
+            # Failed-open requests too: the engine counts their prompts all the same.
+            shared.estimator.admitted(engine, routed.facts.model, s.cost)
+            s.admitted = True
+            s.phase = Phase.OPEN
+            await self._write(shared.admitted_responses[engine])
+            self._record(outcome)
+        else:
+            await self._reject(outcome, _gate_message(step, routed.engine, s.cost, shared.admission),
+                               step.retry_after)
+
+    async def _reject(self, outcome: Outcome, message: str, retry_after: int | None = None) -> None:
+        row = REJECTIONS[outcome]
+        headers = [_header("content-type", "application/json"), _header(OUTCOME_HEADER, outcome.value)]
+        if row.retry_after:
+            headers.append(_header("retry-after", str(retry_after or self._shared.settings.retry_after_seconds)))
+        self._record(outcome, message)
+        self.stream.phase = Phase.DONE
+        await self._write(pb.ProcessingResponse(
+            immediate_response=pb.ImmediateResponse(
+                status=http_status_pb2.HttpStatus(code=row.status),  # type: ignore[arg-type]
+                headers=pb.HeaderMutation(set_headers=headers),
+                body=error_body(outcome, message),
+                details=f"admission_{outcome.value}",
+            )
+        ))
+
+    # --- the record ------------------------------------------------------------------------------
+
+    def _record(self, outcome: Outcome | None, detail: str = "") -> None:
+        """Every metric and log line about this request: once per decision, or once for a stream
+        that failed (`outcome` None). `Admission` counts the gate's own decisions (admitted, parked,
+        rejected, park durations) and the estimator its estimates; the rest is counted here."""
+        s, m = self.stream, self._shared.metrics
+        if outcome is None:
+            m.internal_errors.inc()  # fail-open by default: count it so a bug never hides behind it
+            log.exception("ext_proc stream failed", extra={"request_id": s.request_id})
+            return
+        if outcome is Outcome.PASSED_THROUGH:
+            m.child(m.passthrough, detail).inc()
+            return
+        engine = s.routed.engine.name if s.routed is not None else "none"
+        if outcome is Outcome.CLIENT_GONE:
+            log.info("client gone while parked", extra={"request_id": s.request_id, "engine": engine})
+            return
+        if s.ticket is None:  # rejected before the gate (path, body, model): not counted by Admission
+            m.child(m.rejected, engine, "", outcome.value).inc()
+        else:
+            m.child(m.decision_latency, engine, outcome.value).observe(time.perf_counter() - s.started)
+        if outcome.admits:
+            if log.isEnabledFor(logging.DEBUG):  # the common case: no dict built for a line nobody reads
+                log.debug("admitted", extra={"request_id": s.request_id, "engine": engine, "outcome": outcome.value})
+        elif outcome is Outcome.PARKED:
+            assert s.routed is not None
+            log.info("parked", extra={"request_id": s.request_id, "engine": engine, "model": s.routed.facts.model,
+                                      "queue_depth": self._shared.admission.gate(engine).queue_depth})
+        else:
+            log.info("rejected", extra={"request_id": s.request_id, "engine": engine, "outcome": outcome.value,
+                                        "status": REJECTIONS[outcome].status, "detail": detail})
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, settings: Settings, admission: Admission, metrics: Metrics,
                  models: ModelRegistry | None = None) -> None:
-        self._settings = settings
-        self._admission = admission
-        self._metrics = metrics
-        self._paths = PathRules(settings.gated_paths)
-        self._models = models or ModelRegistry(settings)
-        self._multi_engine = len(settings.engines) > 1
-        self._admitted_responses = {e.name: self._admitted_response(e) for e in settings.engines}
-        self._estimator = Estimator(settings, metrics)
+        self.estimator = Estimator(settings, metrics)
+        multi_engine = len(settings.engines) > 1
+        self._shared = _Shared(
+            settings=settings, admission=admission, metrics=metrics, paths=PathRules(settings.gated_paths),
+            models=models or ModelRegistry(settings), estimator=self.estimator,
+            admitted_responses={e.name: _admitted_response(e, multi_engine) for e in settings.engines},
+            park_responses={e.name: _park_response(e) for e in settings.engines},
+        )
 
     async def aclose(self) -> None:
         """Release what the servicer holds beyond its streams (the estimator's connections)."""
-        await self._estimator.aclose()
+        await self.estimator.aclose()
+
+    def conversation(self, write: Write) -> Conversation:
+        """A new stream's conversation, answering through `write`."""
+        return Conversation(self._shared, write)
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        stream = _Stream()
+        conversation = Conversation(self._shared, context.write)
+        stream = conversation.stream
+        reading: asyncio.Future[object] | None = None  # a read started while parked, not yet collected
         try:
-            await self._process(context, stream)
+            while stream.phase is not Phase.DONE:  # after a rejection the servicer ends the stream
+                waiting = stream.waiting
+                if waiting is not None:  # parked: the gate's decision or the stream's end, whichever first
+                    if reading is None:
+                        reading = asyncio.ensure_future(context.read())
+                    await asyncio.wait((waiting, reading), return_when=asyncio.FIRST_COMPLETED)
+                    if waiting.done():
+                        await conversation.decided(waiting.result())
+                        continue
+                    if reading.exception() is not None:
+                        return  # the stream broke while parked: the client is gone
+                    message, reading = reading.result(), None
+                elif reading is not None:
+                    message, reading = await reading, None
+                else:
+                    message = await context.read()
+                if message is grpc.aio.EOF:
+                    return
+                await conversation.receive(message)  # type: ignore[arg-type]
+                del message  # not kept while parked or open
         except Exception:
-            # The stream fails with a gRPC error and Envoy's failure mode decides (fail-open by
-            # default); count it so a bug never hides behind fail-open.
-            self._metrics.internal_errors.inc()
-            log.exception("ext_proc stream failed", extra={"request_id": stream.request_id})
+            conversation.failed()
             raise
         finally:
-            if stream.ticket is not None and stream.engine is not None:
-                await self._admission.finish(stream.engine.name, stream.ticket)
-            if stream.admitted is not None and stream.engine is not None:
-                self._estimator.finished(stream.engine.name, stream.admitted)
+            if reading is not None:  # never leave a read behind to fail unobserved
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+            await conversation.close()
 
-    async def _process(self, context: grpc.aio.ServicerContext, stream: _Stream) -> None:
-        message = await context.read()
-        if message is grpc.aio.EOF:
-            return
-        if not message.HasField("request_headers"):
-            log.warning("stream did not start with request_headers; answering CONTINUE")
-            await self._drain(context, message)
-            return
-        headers = _header_map(message.request_headers)
-        stream.request_id = headers.get("x-request-id", "-")
-        route, stream.path = self._paths.route(headers.get(":method", ""), headers.get(":path", ""))
-        if route is Route.AMBIGUOUS:
-            await self._reject(
-                context, stream, Outcome.AMBIGUOUS_PATH,
-                f"the path `{headers.get(':path', '')[:200]}` is an encoded or non-canonical spelling of a gated "
-                "endpoint; send the plain path (e.g. /v1/chat/completions)",
-            )
-            return
-        if route is Route.PASS:
-            self._metrics.passthrough.labels("path_not_gated").inc()
-            await context.write(_SKIP_BODY)
-            await self._drain(context, None)
-            return
-        endpoint = endpoint_for(stream.path)
 
-        declared = headers.get("content-length", "")
-        if not endpoint.multipart and declared.isdigit() and int(declared) > self._settings.max_body_bytes:
-            await self._reject(context, stream, Outcome.BODY_TOO_LARGE, self._too_large_message(int(declared)))
-            return
-        if message.request_headers.end_of_stream:
-            await self._reject(context, stream, Outcome.INVALID_BODY, "request body is required")
-            return
-        await context.write(_CONTINUE_HEADERS)
+def _gate_message(decision: Decision, engine: EngineConfig, cost: CostEstimate, admission: Admission) -> str:
+    """The client-facing message for the gate's rejection of this request."""
+    if decision.outcome is Outcome.EXCEEDS_KV_CAPACITY:
+        gate = admission.gate(engine.name)
+        return rejection_message(decision.outcome, engine=engine.name, needed=gate.cost(decision.ticket),
+                                 prompt_tokens=cost.prompt_tokens, generation_tokens=cost.generation_tokens,
+                                 capacity=gate.capacity_tokens)
+    if decision.outcome in REJECTIONS:
+        return rejection_message(decision.outcome, engine=engine.name,
+                                 max_park_seconds=engine.limits.max_park_seconds)
+    return decision.outcome.value
 
-        message = await context.read()
-        if message is grpc.aio.EOF:
-            return
-        if not message.HasField("request_body"):
-            log.warning("expected request_body, got %s; answering CONTINUE", message.WhichOneof("request"))
-            await self._drain(context, message)
-            return
-        started = time.perf_counter()
-        body = message.request_body
-        # A multipart upload (audio) may exceed the cap: its form fields are read from the prefix.
-        if not endpoint.multipart and (not body.end_of_stream or len(body.body) > self._settings.max_body_bytes):
-            await self._reject(context, stream, Outcome.BODY_TOO_LARGE, self._too_large_message(None))
-            return
-        try:
-            facts = body_facts(endpoint, body.body, headers.get("content-type", ""), body.end_of_stream,
-                               self._settings.bytes_per_token)
-        except BodyError as exc:
-            await self._reject(context, stream, exc.outcome, exc.message)
-            return
-        if not self._settings.gating:
-            self._metrics.passthrough.labels("no_models_configured").inc()
-            await context.write(_CONTINUE_BODY)
-            await self._drain(context, None)
-            return
-        engine = await self._models.lookup(facts.model)
-        if engine is None:
-            known = ", ".join(self._models.known()) or "(none)"
-            await self._reject(
-                context, stream, Outcome.UNKNOWN_MODEL,
-                f"The model `{facts.model}` does not exist. Known models: {known}",
-            )
-            return
 
-        stream.engine = engine
-        snap = self._admission.gate(engine.name).snapshot
-        cost = await self._estimator.estimate(engine, endpoint, body.body, facts,
-                                              snap.prompt_tokens_total if snap else None,
-                                              snap.scrape_started if snap else None)
-        decision = await self._admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens)
-        stream.ticket = decision.ticket
-        outcome = decision.outcome
-        # Decided: nothing below reads the request, and a parked or admitted one must not keep its
-        # body (up to MAX_BODY_BYTES) for as long as it waits or streams.
-        del message, body, headers
-        pending_read: asyncio.Future[object] | None = None
-        try:
-            if outcome is Outcome.PARKED:
-                self._metrics.child(self._metrics.decision_latency, engine.name, outcome.value).observe(
-                    time.perf_counter() - started)
-                log.info("parked", extra={"request_id": stream.request_id, "engine": engine.name, "model": facts.model,
-                                          "queue_depth": self._admission.gate(engine.name).queue_depth})
-                # The ticket may be decided (admitted by a completion, expired, drained) while this
-                # write is in flight; `wait` still returns that decision.
-                await context.write(self._park_response(engine))
-                decision, pending_read = await self._wait_parked(context, stream)
-                outcome = decision.outcome
-                if outcome is Outcome.CLIENT_GONE:
-                    log.info("client gone while parked", extra={"request_id": stream.request_id, "engine": engine.name})
-                    return
-                started = time.perf_counter()
-            if outcome.admits:
-                # Failed-open requests too: the engine counts their prompts all the same.
-                self._estimator.admitted(engine.name, facts.model, cost)
-                stream.admitted = facts
-                await context.write(self._admitted_responses[engine.name])
-                self._metrics.child(self._metrics.decision_latency, engine.name, outcome.value).observe(
-                    time.perf_counter() - started)
-                log.debug("admitted", extra={"request_id": stream.request_id, "engine": engine.name, "outcome": outcome.value})
-                reader, pending_read = pending_read, None
-                await self._drain(context, None, reader)
-                return
-            gate = self._admission.gate(engine.name)
-            message_text = {
-                Outcome.QUEUE_FULL: f"engine `{engine.name}` is at capacity and its queue is full; retry later",
-                Outcome.PARK_TIMEOUT: (
-                    f"engine `{engine.name}` stayed at capacity for {engine.limits.max_park_seconds:g}s; retry later"
-                ),
-                Outcome.EXPECTED_WAIT_TOO_LONG: (
-                    f"engine `{engine.name}` is at capacity and the expected wait exceeds "
-                    f"{engine.limits.max_park_seconds:g}s; retry later"
-                ),
-                Outcome.EXCEEDS_KV_CAPACITY: (
-                    f"this request needs about {gate.cost(decision.ticket)} tokens of KV cache (prompt ~"
-                    f"{cost.prompt_tokens} + up to {cost.generation_tokens} generated), more than engine "
-                    f"`{engine.name}` holds in total ({gate.capacity_tokens}); shorten the prompt or lower max_tokens"
-                ),
-                Outcome.SHUTTING_DOWN: "the admission service is shutting down; retry",
-            }.get(outcome, outcome.value)
-            self._metrics.child(self._metrics.decision_latency, engine.name, outcome.value).observe(
-                time.perf_counter() - started)
-            await self._reject(context, stream, outcome, message_text, counted=True, retry_after=decision.retry_after)
-        finally:
-            if pending_read is not None:  # never leave a read behind to fail unobserved
-                pending_read.cancel()
-                await asyncio.gather(pending_read, return_exceptions=True)
+def _park_response(engine: EngineConfig) -> pb.ProcessingResponse:
+    timeout = engine.limits.max_park_seconds + PARK_TIMEOUT_MARGIN_SECONDS
+    seconds = int(timeout)
+    return pb.ProcessingResponse(
+        override_message_timeout=duration_pb2.Duration(seconds=seconds, nanos=int((timeout - seconds) * 1e9))
+    )
 
-    async def _wait_parked(
-        self, context: grpc.aio.ServicerContext, stream: _Stream
-    ) -> tuple[Decision, asyncio.Future[object] | None]:
-        """Wait for the gate's answer while watching the stream; its end means the client left."""
-        assert stream.engine is not None and stream.ticket is not None
-        waiter = asyncio.ensure_future(self._admission.wait(stream.engine.name, stream.ticket))
-        reader: asyncio.Future[object] = asyncio.ensure_future(context.read())
-        returned = False
-        try:
-            while True:
-                await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if waiter.done():
-                    decision = waiter.result()
-                    returned = True
-                    return decision, reader
-                if reader.exception() is None and reader.result() is not grpc.aio.EOF:
-                    log.warning("unexpected message while parked: %s", reader.result().WhichOneof("request"))  # type: ignore[attr-defined]
-                    reader = asyncio.ensure_future(context.read())
-                    continue
-                returned = True
-                return Decision(stream.ticket, Outcome.CLIENT_GONE), None
-        finally:
-            if not waiter.done():
-                waiter.cancel()
-                await asyncio.gather(waiter, return_exceptions=True)
-            if not returned:  # failed or cancelled: the caller never sees the read
-                reader.cancel()
-                await asyncio.gather(reader, return_exceptions=True)
 
-    async def _drain(
-        self, context: grpc.aio.ServicerContext, message: object | None, pending: asyncio.Future[object] | None = None
-    ) -> None:
-        """Answer anything else Envoy sends with CONTINUE until the HTTP stream ends."""
-        while True:
-            if message is not None:
-                await context.write(_continue_for(message))
-            if pending is not None:
-                message, pending = await pending, None
-            else:
-                message = await context.read()
-            if message is grpc.aio.EOF:
-                return
-
-    async def _reject(
-        self, context: grpc.aio.ServicerContext, stream: _Stream, outcome: Outcome, message: str,
-        counted: bool = False, retry_after: int | None = None,
-    ) -> None:
-        row = REJECTIONS[outcome]
-        engine = stream.engine.name if stream.engine else "none"
-        if not counted:  # gate outcomes are counted by Admission; body/validation outcomes here
-            self._metrics.rejected.labels(engine, stream.ticket.model if stream.ticket else "", outcome.value).inc()
-        headers = [_header("content-type", "application/json"), _header(OUTCOME_HEADER, outcome.value)]
-        if row.retry_after:
-            headers.append(_header("retry-after", str(retry_after or self._settings.retry_after_seconds)))
-        log.info("rejected", extra={"request_id": stream.request_id, "engine": engine, "outcome": outcome.value,
-                                    "status": row.status, "detail": message})
-        await context.write(
-            pb.ProcessingResponse(
-                immediate_response=pb.ImmediateResponse(
-                    status=http_status_pb2.HttpStatus(code=row.status),  # type: ignore[arg-type]
-                    headers=pb.HeaderMutation(set_headers=headers),
-                    body=error_body(outcome, message),
-                    details=f"admission_{outcome.value}",
-                )
+def _admitted_response(engine: EngineConfig, multi_engine: bool) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=[_header(ROUTE_HEADER, engine.name)]),
+                clear_route_cache=multi_engine,
             )
         )
+    )
 
-    def _too_large_message(self, declared: int | None) -> str:
-        size = f" ({declared} bytes)" if declared is not None else ""
-        return f"request body{size} exceeds the limit of {self._settings.max_body_bytes} bytes"
 
-    def _park_response(self, engine: EngineConfig) -> pb.ProcessingResponse:
-        timeout = engine.limits.max_park_seconds + PARK_TIMEOUT_MARGIN_SECONDS
-        seconds = int(timeout)
-        return pb.ProcessingResponse(
-            override_message_timeout=duration_pb2.Duration(seconds=seconds, nanos=int((timeout - seconds) * 1e9))
-        )
-
-    def _admitted_response(self, engine: EngineConfig) -> pb.ProcessingResponse:
-        return pb.ProcessingResponse(
-            request_body=pb.BodyResponse(
-                response=pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(set_headers=[_header(ROUTE_HEADER, engine.name)]),
-                    clear_route_cache=self._multi_engine,
-                )
-            )
-        )
+#: The request headers the service reads (classify_headers, the request id in logs).
+_READ_HEADERS = frozenset((":method", ":path", "content-length", "content-type", "x-request-id"))
 
 
 def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """The headers the service reads; the others are not decoded (a third of the cost: issue 14)."""
     out: dict[str, str] = {}
     for h in headers.headers.headers:
-        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        key = h.key
+        if key in _READ_HEADERS:
+            raw = h.raw_value
+            out[key] = raw.decode("utf-8", "replace") if raw else h.value
     return out
 
 
@@ -325,8 +396,8 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _continue_for(message: object) -> pb.ProcessingResponse:
-    kind = message.WhichOneof("request")  # type: ignore[attr-defined]
+def _continue_for(message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    kind = message.WhichOneof("request")
     if kind == "request_headers":
         return _CONTINUE_HEADERS
     if kind == "request_body":
