@@ -307,10 +307,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """A new stream's conversation, answering through `write`."""
         return Conversation(self._shared, write)
 
-    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Process(  # noqa: N802
+        self, request_iterator: object,
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> None:
         conversation = Conversation(self._shared, context.write)
         stream = conversation.stream
-        reading: asyncio.Future[object] | None = None  # a read started while parked, not yet collected
+        reading: asyncio.Future[pb.ProcessingRequest] | None = None  # a read started while parked, not collected
         try:
             while stream.phase is not Phase.DONE:  # after a rejection the servicer ends the stream
                 waiting = stream.waiting
@@ -328,9 +331,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     message, reading = await reading, None
                 else:
                     message = await context.read()
-                if message is grpc.aio.EOF:
+                if message is grpc.aio.EOF:  # type: ignore[comparison-overlap]  # the stubs leave EOF out of read()
                     return
-                await conversation.receive(message)  # type: ignore[arg-type]
+                await conversation.receive(message)
                 del message  # not kept while parked or open
         except Exception:
             conversation.failed()

@@ -24,8 +24,7 @@ from extproc.outcomes import Outcome
 from extproc.servicer import ExternalProcessor
 from extproc.wire import base_pb2, http_status_pb2, pb, processing_mode_pb2
 
-from .conversation_helpers import (ENV, CannedStream, body_message, chat_body, chat_headers, headers_message,
-                                   start_stack)
+from .conversation_helpers import ENV, CannedStream, body_message, chat_body, chat_headers, headers_message, start_stack
 
 PARK_ENV = {**ENV, "ADMISSION_MAX_PARK_SECONDS": "30", "VLLM_MAX_QUEUE_DEPTH": "1"}
 
