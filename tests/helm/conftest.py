@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
+from ..observability.tools import promtool  # noqa: F401  (the fixture, for this directory's tests)
+
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is in the test extras: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parents[2]

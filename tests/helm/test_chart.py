@@ -12,11 +12,21 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ..observability.tools import promtool  # noqa: F401  (fixture)
 from extproc.envoyconf import INFERENCE_STAT_PREFIX
 
-from .conftest import (CHART, NAMESPACE, ROOT, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered, envoy_validate, helm,
-                       mounted_file, with_engines)
+from .conftest import (
+    CHART,
+    NAMESPACE,
+    ROOT,
+    SHARED_VALUE_SETS,
+    VALUE_SETS,
+    Chart,
+    Rendered,
+    envoy_validate,
+    helm,
+    mounted_file,
+    with_engines,
+)
 
 KUBERNETES_VERSION = "1.35.0"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # kubernetes-validate ships no CRD schemas
@@ -24,7 +34,8 @@ CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # kubernetes-validate ships no
 
 def test_lint_reports_no_warnings_or_errors_for_any_value_set() -> None:
     for name, values in {**VALUE_SETS, **SHARED_VALUE_SETS}.items():
-        report = helm.lint(str(CHART), with_engines(values), strict=True, namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}")
+        report = helm.lint(str(CHART), with_engines(values), strict=True, namespace=NAMESPACE,
+                           kube_version=f"v{KUBERNETES_VERSION}")
         problems = [m for m in report["messages"] if m["severity"] >= 2]
         assert not problems and not report["errors"], f"{name}: {problems} {report['errors']}"
 
@@ -62,7 +73,8 @@ def test_default_shape_is_one_deployment_with_envoy_and_the_service(chart: Chart
     assert "envoy.yaml" not in r.one("ConfigMap", "-envoy")["data"]
 
 
-def test_the_service_listens_for_grpc_and_debug_on_loopback_and_only_for_probes_on_all_addresses(rendered: Rendered) -> None:
+def test_the_service_listens_for_grpc_and_debug_on_loopback_and_only_for_probes_on_all_addresses(
+        rendered: Rendered) -> None:
     env = rendered.env()
     assert env["EXTPROC_LISTEN"].startswith("127.0.0.1:")
     assert env["EXTPROC_ADMIN_LISTEN"] == "127.0.0.1:9005"  # /debug/engines: kubectl port-forward only
@@ -74,7 +86,8 @@ def test_the_service_listens_for_grpc_and_debug_on_loopback_and_only_for_probes_
     assert f"{address['address']}:{address['port_value']}" == env["EXTPROC_LISTEN"]
 
 
-def test_the_inference_service_targets_envoys_listener_and_the_metrics_service_the_admin_ports(rendered: Rendered) -> None:
+def test_the_inference_service_targets_envoys_listener_and_the_metrics_service_the_admin_ports(
+        rendered: Rendered) -> None:
     pod_ports = {p["name"]: p["containerPort"] for c in rendered.deployment["spec"]["template"]["spec"]["containers"]
                  for p in c["ports"]}
     services = [o for o in rendered.objects if o["kind"] == "Service"]
@@ -151,7 +164,8 @@ def test_resources_have_requests_and_limits_for_both_containers(rendered: Render
         ({"concurrency": 1}, 1),
     ],
 )
-def test_envoy_concurrency_follows_the_cpu_limit_not_the_node(chart: Chart, envoy_values: dict[str, Any], workers: int) -> None:
+def test_envoy_concurrency_follows_the_cpu_limit_not_the_node(chart: Chart, envoy_values: dict[str, Any],
+                                                              workers: int) -> None:
     args = chart.render({"envoy": envoy_values}).container("envoy")["args"]
     assert args[args.index("--concurrency") + 1] == str(workers)
 
@@ -165,7 +179,8 @@ def test_pod_disruption_budget_selects_the_deployments_pods(chart: Chart) -> Non
     r = chart.render()
     pdb = r.one("PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= r.deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert (pdb["spec"]["selector"]["matchLabels"].items()
+            <= r.deployment["spec"]["template"]["metadata"]["labels"].items())
     assert "PodDisruptionBudget" not in chart.render({"podDisruptionBudget": {"enabled": False}}).kinds()
 
 
@@ -173,17 +188,19 @@ def test_engines_config_and_env_are_accepted_by_the_service_itself(rendered: Ren
     settings = _service_settings(rendered, tmp_path)
     merged = _merged(rendered)
     assert [e.name for e in settings.engines] == [e["name"] for e in merged["engines"]]
-    for engine, values in zip(settings.engines, merged["engines"]):
+    for engine, values in zip(settings.engines, merged["engines"], strict=True):
         assert list(engine.models) == values["models"]
         assert engine.limits.max_park_seconds == values.get("maxParkSeconds", merged["admission"]["maxParkSeconds"])
         assert engine.limits.kv_threshold == values.get("kvThreshold", merged["admission"]["kvThreshold"])
         assert engine.limits.max_inflight == values.get("maxInflight", merged["admission"]["maxInflight"])
         assert engine.limits.max_queue_depth == values.get("maxQueueDepth", merged["admission"]["maxQueueDepth"])
-        assert engine.limits.kv_capacity_tokens == values.get("kvCapacityTokens", merged["admission"].get("kvCapacityTokens"))
+        assert engine.limits.kv_capacity_tokens == values.get("kvCapacityTokens",
+                                                              merged["admission"].get("kvCapacityTokens"))
     assert settings.max_body_bytes == merged["admission"]["maxBodyBytes"]
     assert settings.max_streams == merged["admission"]["maxStreams"]
     a = merged["admission"]
-    assert (settings.kv_budget, settings.backfill, settings.local_accounting) == (a["kvBudget"], a["backfill"], a["localAccounting"])
+    assert ((settings.kv_budget, settings.backfill, settings.local_accounting)
+            == (a["kvBudget"], a["backfill"], a["localAccounting"]))
     assert (settings.bytes_per_token, settings.estimate_safety_factor, settings.default_max_tokens) == (
         a["bytesPerToken"], a["estimateSafetyFactor"], a["defaultMaxTokens"])
     assert settings.poll_interval == a["pollIntervalSeconds"] and settings.stale_after_polls == a["staleAfterPolls"]
@@ -201,11 +218,12 @@ def test_envoy_reads_the_config_its_init_container_writes_from_the_services_sett
     assert written == {"name": "envoy-config", "emptyDir": {"sizeLimit": "1Mi"}}
     assert mounted_file(pod, envoy, envoy["args"][envoy["args"].index("--config-path") + 1]) == (written, path)
     assert [m for m in envoy["volumeMounts"] if m["name"] == "envoy-config"][0]["readOnly"] is True
-    ledger = {"ADMISSION_LEDGER", "ADMISSION_REDIS_URL", "ADMISSION_LEDGER_LEASE_SECONDS", "ADMISSION_LEDGER_TIMEOUT_MS",
-              "ADMISSION_LEDGER_KEY_PREFIX", "ADMISSION_REPLICA_ID"}
+    ledger = {"ADMISSION_LEDGER", "ADMISSION_REDIS_URL", "ADMISSION_LEDGER_LEASE_SECONDS",
+              "ADMISSION_LEDGER_TIMEOUT_MS", "ADMISSION_LEDGER_KEY_PREFIX", "ADMISSION_REPLICA_ID"}
     assert init["env"] == [e for e in service["env"] if e["name"] not in ledger]
     assert init.get("envFrom") == service.get("envFrom")
-    assert mounted_file(pod, init, rendered.env()["EXTPROC_CONFIG"]) == mounted_file(pod, service, rendered.env()["EXTPROC_CONFIG"])
+    config = rendered.env()["EXTPROC_CONFIG"]
+    assert mounted_file(pod, init, config) == mounted_file(pod, service, config)
     assert init["securityContext"] == service["securityContext"]
 
 
@@ -284,7 +302,8 @@ def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) ->
     assert clusters["engine_llama"]["type"] == "STATIC"  # an IP address
     assert clusters["engine_qwen"]["type"] == "STRICT_DNS"
     mistral = clusters["engine_mistral-small"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-    assert mistral["endpoint"]["address"]["socket_address"] == {"address": "mistral.models.svc.cluster.local", "port_value": 80}
+    assert mistral["endpoint"]["address"]["socket_address"] == {"address": "mistral.models.svc.cluster.local",
+                                                                "port_value": 80}
     routes = _hcm(r.envoy)["route_config"]["virtual_hosts"][0]["routes"]
     picked = [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"),
                rt["route"]["cluster"] if "route" in rt else rt["direct_response"])
@@ -295,7 +314,8 @@ def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) ->
         [("qwen", "engine_qwen")] * gated + [("llama", "engine_llama")] * gated
         + [("mistral-small", "engine_mistral-small")] * gated + [(None, {"status": 503})] * gated
         + [(None, "engine_qwen_ungated")])
-    assert all(rt["match"].get("headers", [{}])[0].get("name", "x-admission-engine") == "x-admission-engine" for rt in routes)
+    assert all(rt["match"].get("headers", [{}])[0].get("name", "x-admission-engine") == "x-admission-engine"
+               for rt in routes)
     # One engine: gated paths to its bounded cluster without a header match, the rest ungated.
     single = _hcm(chart.render().envoy)["route_config"]["virtual_hosts"][0]["routes"]
     assert {rt["route"]["cluster"] for rt in single[:-1]} == {"engine_vllm"}
@@ -328,7 +348,8 @@ def test_a_config_change_rolls_the_pods(chart: Chart) -> None:
     before = chart.render().deployment["spec"]["template"]
     after = chart.render({"admission": {"maxParkSeconds": 60}}).deployment["spec"]["template"]
     assert before["spec"]["initContainers"] != after["spec"]["initContainers"]
-    assert before["metadata"]["annotations"]["checksum/envoy"] != after["metadata"]["annotations"]["checksum/envoy"]  # preStop
+    assert (before["metadata"]["annotations"]["checksum/envoy"]
+            != after["metadata"]["annotations"]["checksum/envoy"])  # preStop
     failure = chart.render({"admission": {"failureMode": "closed"}}).deployment["spec"]["template"]
     assert before["spec"]["initContainers"] != failure["spec"]["initContainers"]
     models = chart.render({"engines": [{"name": "vllm", "url": "http://vllm:8000", "models": ["other"]}]})
@@ -351,16 +372,19 @@ def test_service_monitor_scrapes_the_admin_port_with_the_job_the_alerts_expect(c
     assert admin["port"] in {p["name"] for p in metrics["spec"]["ports"]} and admin["path"] == "/metrics"
     assert {"targetLabel": "job", "replacement": "llm-admission"} in admin["relabelings"]
     rules = yaml.safe_load((ROOT / "alerts" / "llm-admission.rules.yml").read_text())
-    assert 'up{job="llm-admission"}' in next(r["expr"] for r in rules["groups"][0]["rules"] if r["alert"] == "LLMAdmissionServiceDown")
+    assert 'up{job="llm-admission"}' in next(r["expr"] for r in rules["groups"][0]["rules"]
+                                             if r["alert"] == "LLMAdmissionServiceDown")
 
 
-def test_prometheus_rule_carries_the_checked_rules_scoped_to_the_release(chart: Chart, tmp_path: Path, promtool: str) -> None:
+def test_prometheus_rule_carries_the_checked_rules_scoped_to_the_release(chart: Chart, tmp_path: Path,
+                                                                         promtool: str) -> None:
     rule = chart.render(VALUE_SETS["monitoring-on"]).one("PrometheusRule")
     text = (ROOT / "alerts" / "llm-admission.rules.yml").read_text()
     scope = 'namespace="inference",service="demo-llm-admission-metrics"'
     text = text.replace('job="llm-admission"', f'job="llm-admission",{scope}')
     text = text.replace('job="llm-admission-envoy"', f'job="llm-admission-envoy",{scope}')
-    text = text.replace('container=~"envoy|admission"', 'container=~"envoy|admission",namespace="inference",pod=~"demo-llm-admission-.*"')
+    text = text.replace('container=~"envoy|admission"',
+                        'container=~"envoy|admission",namespace="inference",pod=~"demo-llm-admission-.*"')
     assert rule["spec"] == yaml.safe_load(text)
     path = tmp_path / "from-chart.rules.yml"
     path.write_text(yaml.safe_dump(rule["spec"]))
@@ -396,7 +420,8 @@ def test_notes_tell_how_to_send_a_first_request_and_where_the_dashboard_is(chart
         # Envoy bounds ext_proc's max_message_timeout (park cap + 10 s) at 1 h.
         ({"admission": {"maxParkSeconds": 3591}}, "at '/admission/maxParkSeconds': maximum: got 3,591, want 3,590"),
         ({"admission": {"kvThreshold": 2}}, "at '/admission/kvThreshold': maximum: got 2, want 1"),
-        ({"admission": {"failureMode": "sometimes"}}, "at '/admission/failureMode': value must be one of 'open', 'closed'"),
+        ({"admission": {"failureMode": "sometimes"}},
+         "at '/admission/failureMode': value must be one of 'open', 'closed'"),
         ({"admission": {"maxInflight": 0}}, "at '/admission/maxInflight': minimum: got 0, want 1"),
         ({"admission": {"maxBodyBytes": 100}}, "at '/admission/maxBodyBytes': minimum: got 100, want 1,024"),
         ({"admission": {"gatedPaths": ["v1/chat/completions"]}}, "at '/admission/gatedPaths/0'"),
@@ -468,7 +493,8 @@ def test_envoys_overload_manager_is_sized_from_its_memory_limit_and_the_body_cap
     r = chart.render({"envoy": envoy_values, "admission": {"maxBodyBytes": body}})
     monitors = {m["name"]: m["typed_config"] for m in r.envoy["overload_manager"]["resource_monitors"]}
     assert monitors["envoy.resource_monitors.fixed_heap"]["max_heap_size_bytes"] == heap
-    assert monitors["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"] == connections
+    assert (monitors["envoy.resource_monitors.global_downstream_max_connections"]["max_active_downstream_connections"]
+            == connections)
 
 
 def test_an_envoy_without_a_memory_limit_is_refused_at_render(chart: Chart) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import yaml
 
-from ..observability.tools import promtool  # noqa: F401  (fixture)
 from .conftest import NAMESPACE, Chart, helm
 
 OURS = {"namespace": NAMESPACE, "service": "demo-llm-admission-metrics"}
@@ -54,21 +53,24 @@ def test_each_release_alerts_only_on_its_own_series(chart: Chart, tmp_path: Path
               for n, scope in (("a", OURS), ("b", THEIRS), ("c", SAME_NS))],
             *[_series("up", {"job": "llm-admission-envoy", "instance": f"{n}:9902", **scope}, down)
               for n, scope in (("a", OURS), ("b", THEIRS), ("c", SAME_NS))],
-            *[_series("observer_degraded", {"job": "llm-admission", "instance": f"{n}:9003", "engine": "qwen", **scope}, "1x10")
+            *[_series("observer_degraded",
+                      {"job": "llm-admission", "instance": f"{n}:9003", "engine": "qwen", **scope}, "1x10")
               for n, scope in (("a", OURS), ("b", THEIRS), ("c", SAME_NS))],
             *[_series("admission_engine_running_over_limit",
                       {"job": "llm-admission", "instance": f"{n}:9003", "engine": "qwen", **scope}, "2x10")
               for n, scope in (("a", OURS), ("b", THEIRS), ("c", SAME_NS))],
         ],
         "alert_rule_test": [
-            _alert("LLMAdmissionServiceDown", "5m", [{"severity": "critical", "job": "llm-admission", "instance": "a:9003",
-                                                      **OURS}]),
+            _alert("LLMAdmissionServiceDown", "5m", [{"severity": "critical", "job": "llm-admission",
+                                                      "instance": "a:9003", **OURS}]),
             _alert("LLMAdmissionEnvoyDown", "5m", [{"severity": "critical", "job": "llm-admission-envoy",
                                                     "instance": "a:9902", **OURS}]),
             _alert("LLMAdmissionObserverDegraded", "5m", [{"severity": "warning", "job": "llm-admission",
-                                                           "instance": "a:9003", "engine": "qwen", "namespace": NAMESPACE}]),
+                                                           "instance": "a:9003", "engine": "qwen",
+                                                           "namespace": NAMESPACE}]),
             _alert("LLMAdmissionEngineLimitDrift", "5m", [{"severity": "warning", "job": "llm-admission",
-                                                           "instance": "a:9003", "engine": "qwen", "namespace": NAMESPACE}]),
+                                                           "instance": "a:9003", "engine": "qwen",
+                                                           "namespace": NAMESPACE}]),
             _alert("LLMAdmissionMetricsAbsent", "15m", []),
         ],
     }]
@@ -82,7 +84,8 @@ def test_absent_fires_when_only_other_releases_are_scraped(chart: Chart, tmp_pat
                          _series("up", {"job": "llm-admission-envoy", "instance": "b:9902", **THEIRS}, "1x20")],
         "alert_rule_test": [
             _alert("LLMAdmissionMetricsAbsent", "12m", [{"severity": "warning", "job": "llm-admission", **OURS}]),
-            _alert("LLMAdmissionEnvoyMetricsAbsent", "12m", [{"severity": "warning", "job": "llm-admission-envoy", **OURS}]),
+            _alert("LLMAdmissionEnvoyMetricsAbsent", "12m",
+                   [{"severity": "warning", "job": "llm-admission-envoy", **OURS}]),
         ],
     }]
     _promtool_test(promtool, tmp_path, _rules(chart), tests)
@@ -102,7 +105,8 @@ def test_cpu_throttling_counts_this_releases_containers_only(chart: Chart, tmp_p
             *container(NAMESPACE, "envoy-gateway-5c7d-xyz", "envoy", 300),          # someone else's Envoy
         ],
         "alert_rule_test": [_alert("LLMAdmissionCPUThrottled", "25m", [
-            {"severity": "warning", "namespace": NAMESPACE, "pod": "demo-llm-admission-6d9f-abcde", "container": "envoy"}])],
+            {"severity": "warning", "namespace": NAMESPACE, "pod": "demo-llm-admission-6d9f-abcde",
+             "container": "envoy"}])],
     }]
     _promtool_test(promtool, tmp_path, _rules(chart), tests)
 
@@ -131,10 +135,12 @@ def test_vllm_alerts_can_be_scoped_or_left_to_another_release(chart: Chart, tmp_
     tests = [{
         "interval": "1m",
         "input_series": [
-            _series("vllm:num_preemptions_total", {"job": "vllm", "instance": "v1:8000", "model_name": "m", "namespace": "models"}, preempted),
-            _series("vllm:num_preemptions_total", {"job": "vllm", "instance": "v2:8000", "model_name": "m", "namespace": "elsewhere"}, preempted),
+            _series("vllm:num_preemptions_total",
+                    {"job": "vllm", "instance": "v1:8000", "model_name": "m", "namespace": "models"}, preempted),
+            _series("vllm:num_preemptions_total",
+                    {"job": "vllm", "instance": "v2:8000", "model_name": "m", "namespace": "elsewhere"}, preempted),
         ],
-        "alert_rule_test": [_alert("VLLMPreemptions", "3m", [{"severity": "warning", "job": "vllm", "instance": "v1:8000",
-                                                              "model_name": "m"}])],
+        "alert_rule_test": [_alert("VLLMPreemptions", "3m", [{"severity": "warning", "job": "vllm",
+                                                              "instance": "v1:8000", "model_name": "m"}])],
     }]
     _promtool_test(promtool, tmp_path, scoped, tests)

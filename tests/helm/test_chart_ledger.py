@@ -118,7 +118,8 @@ def test_an_existing_secret_provides_the_url_through_a_secret_key_ref(chart: Cha
 
 def test_the_secret_key_defaults_to_url(chart: Chart) -> None:
     r = chart.render({"ledger": {"backend": "redis", "redis": {"existingSecret": "gateway-redis"}}})
-    assert ledger_env(r)["ADMISSION_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "gateway-redis", "key": "url"}}
+    assert ledger_env(r)["ADMISSION_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "gateway-redis",
+                                                                                  "key": "url"}}
 
 
 def test_the_shared_shapes_one_service_gets_the_same_ledger_settings(chart: Chart) -> None:
@@ -131,7 +132,8 @@ def test_the_shared_shapes_one_service_gets_the_same_ledger_settings(chart: Char
 @pytest.mark.parametrize("values", [WITH_URL, WITH_SECRET, SHARED_WITH_URL], ids=["url", "secret", "shared"])
 def test_redis_ledger_manifests_validate_and_lint(chart: Chart, values: dict[str, Any]) -> None:
     assert len(validate_manifests(chart.render(values).objects)) >= 5
-    report = helm.lint(str(CHART), with_engines(values), strict=True, namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}")
+    report = helm.lint(str(CHART), with_engines(values), strict=True, namespace=NAMESPACE,
+                       kube_version=f"v{KUBERNETES_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert not problems and not report["errors"], f"{problems} {report['errors']}"
 

@@ -157,7 +157,8 @@ def test_prestop_drains_envoy_until_the_request_in_flight_ends_then_the_service_
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(pod.chat)
         wait_until(lambda: b"inference.downstream_rq_active: 1" in http_get(
-            f"http://127.0.0.1:{pod.port('envoy', 'adminPort')}/stats?filter=downstream_rq_active")[1], 10, "one request in flight")
+            f"http://127.0.0.1:{pod.port('envoy', 'adminPort')}/stats?filter=downstream_rq_active")[1], 10,
+            "one request in flight")
         started = time.monotonic()
         envoy_hook = subprocess.Popen(["/bin/bash", str(prestop)])
         service_hook = subprocess.Popen([sys.executable, *service_wait[1:]])
@@ -210,8 +211,10 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
     env["EXTPROC_CONFIG"] = str(tmp_path / "engines.yaml")
     service_cmd = first.container("admission")["command"]
     children = [
-        Child("enginesim", [str(BIN / "enginesim"), "--port", str(sim_port)], {"PATH": str(BIN)}, tmp_path / "enginesim.log"),
-        Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env}, tmp_path / "admission.log"),
+        Child("enginesim", [str(BIN / "enginesim"), "--port", str(sim_port)], {"PATH": str(BIN)},
+              tmp_path / "enginesim.log"),
+        Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env},
+              tmp_path / "admission.log"),
     ]
     for i, r in enumerate(renders):
         assert r.envoy_text.count(f"address: {dns}\n") == 1
@@ -222,7 +225,8 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
         assert extproc["type"] == "STRICT_DNS"
         args = r.container("envoy")["args"]
         args[args.index("--config-path") + 1] = str(config)
-        children.append(Child(f"envoy-{i}", [str(BIN / "envoy"), *args], {"PATH": str(BIN)}, tmp_path / f"envoy-{i}.log"))
+        children.append(Child(f"envoy-{i}", [str(BIN / "envoy"), *args], {"PATH": str(BIN)},
+                              tmp_path / f"envoy-{i}.log"))
     sim, service, *envoys = children
     try:
         sim.start()
@@ -230,17 +234,20 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
         for child in (service, *envoys):
             child.start()
         probes = [(first.container("admission"), {"admin": admin_port})]
-        probes += [(r.container("envoy"), {"envoy-health": p["healthPort"]}) for r, p in zip(renders, envoy_ports)]
+        probes += [(r.container("envoy"), {"envoy-health": p["healthPort"]})
+                   for r, p in zip(renders, envoy_ports, strict=True)]
         for container, ports in probes:
             for kind in ("readinessProbe", "livenessProbe"):
                 url = _probe(container, kind, ports)
-                wait_until(lambda url=url: http_get(url, timeout=1.0)[0] == 200, 20, f"{container['name']} {kind} at {url}")
+                wait_until(lambda url=url: http_get(url, timeout=1.0)[0] == 200, 20,
+                           f"{container['name']} {kind} at {url}")
 
         for ports in envoy_ports:
             assert _chat(ports["port"]) == 200
         status, body = http_get(f"http://127.0.0.1:{admin_port}/metrics")
         assert status == 200
-        assert b'admission_admitted_total{engine="sim",model="sim-model",via="admitted"} 2.0' in body  # one ledger, both Envoys
+        # one ledger, both Envoys
+        assert b'admission_admitted_total{engine="sim",model="sim-model",via="admitted"} 2.0' in body
 
         service.stop()  # a restart of the shared service: every Envoy fails open (failureMode open)
         for ports in envoy_ports:
@@ -268,7 +275,8 @@ def _chat(port: int) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"content-type": "application/json"})
         response = conn.getresponse()
         response.read()
         return response.status

@@ -55,11 +55,13 @@ def _policies(r: Rendered) -> list[dict[str, Any]]:
 
 
 def _selecting(r: Rendered, pod_labels: dict[str, str], kind: str) -> list[dict[str, Any]]:
-    return [p for p in _policies(r) if _matches(p["spec"]["podSelector"], pod_labels) and kind in p["spec"]["policyTypes"]]
+    return [p for p in _policies(r)
+            if _matches(p["spec"]["podSelector"], pod_labels) and kind in p["spec"]["policyTypes"]]
 
 
 def _named_ports(deployment: dict[str, Any]) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    return {p["name"]: p["containerPort"]
+            for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
 
 
 def ingress_allowed(r: Rendered, deployment: dict[str, Any], port: int, source: Peer, protocol: str = "TCP") -> bool:
@@ -85,7 +87,8 @@ def egress_allowed(r: Rendered, deployment: dict[str, Any], port: int, destinati
         return True
     for policy in policies:
         for rule in policy["spec"].get("egress", []):
-            if rule.get("ports") and not any(_port_matches(p, port, protocol, destination_ports or {}) for p in rule["ports"]):
+            if rule.get("ports") and not any(_port_matches(p, port, protocol, destination_ports or {})
+                                             for p in rule["ports"]):
                 continue
             if not rule.get("to") or any(_peer_matches(peer, destination) for peer in rule["to"]):
                 return True
@@ -99,7 +102,8 @@ def _pod_labels(d: dict[str, Any]) -> dict[str, str]:
 # --- tests ------------------------------------------------------------------------------------
 
 
-def test_policies_are_rendered_by_default_and_select_every_pod_of_the_release(rendered: Rendered, shared: Rendered) -> None:
+def test_policies_are_rendered_by_default_and_select_every_pod_of_the_release(rendered: Rendered,
+                                                                              shared: Rendered) -> None:
     for r in (rendered, shared):
         policies = _policies(r)
         assert policies and len(validate_manifests(policies)) == len(policies)
@@ -121,7 +125,8 @@ def test_the_inference_port_is_open_by_default_and_limited_to_the_configured_pee
     port = r.values["envoy"]["port"]
     assert ingress_allowed(r, envoy, port, Peer(namespace=APPS))
     assert ingress_allowed(r, envoy, port, Peer(namespace={}, ip="203.0.113.9"))  # a LoadBalancer's client
-    limited = chart.render({"shape": shape, "networkPolicy": {"inferenceFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}})
+    limited = chart.render({"shape": shape, "networkPolicy": {
+        "inferenceFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}})
     envoy = limited.deployment_of("envoy")
     assert ingress_allowed(limited, envoy, port, Peer(namespace=APPS))
     assert not ingress_allowed(limited, envoy, port, Peer(namespace={"kubernetes.io/metadata.name": "other"}))
@@ -139,7 +144,8 @@ def test_metrics_ports_only_from_the_monitoring_namespace(chart: Chart, shape: s
             assert ingress_allowed(r, deployment, ports[name], Peer(labels={"app": "prometheus"}, namespace=MONITORING))
             assert not ingress_allowed(r, deployment, ports[name], Peer(namespace=APPS)), name
             assert not ingress_allowed(r, deployment, ports[name], Peer()), name
-    other = chart.render({"shape": shape, "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"obs": "yes"}}}]}})
+    other = chart.render({"shape": shape, "networkPolicy": {
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"obs": "yes"}}}]}})
     deployment = other.deployment_of("admission")
     admin = _named_ports(deployment)["admin"]
     assert ingress_allowed(other, deployment, admin, Peer(namespace={"obs": "yes"}))
@@ -168,10 +174,12 @@ def test_egress_reaches_dns_and_the_engines_ports_and_nothing_else(chart: Chart)
     assert egress_allowed(r, pod, 53, kube_dns, "UDP") and egress_allowed(r, pod, 53, kube_dns, "TCP")
     assert not egress_allowed(r, pod, 53, Peer(labels={"app": "dns"}, namespace=APPS), "UDP")
     for port in (8000, 8001, 9090, 80):
-        assert egress_allowed(r, pod, port, Peer(namespace={"kubernetes.io/metadata.name": "models"}, ip="10.8.0.5")), port
+        assert egress_allowed(r, pod, port,
+                              Peer(namespace={"kubernetes.io/metadata.name": "models"}, ip="10.8.0.5")), port
     for port in (443, 6379, 22, 9002):
         assert not egress_allowed(r, pod, port, Peer(namespace=APPS)), port
-    narrowed = chart.render({**VALUE_SETS["several-engines"], "networkPolicy": {"enginesTo": [{"ipBlock": {"cidr": "10.8.0.0/16"}}]}})
+    narrowed = chart.render({**VALUE_SETS["several-engines"],
+                             "networkPolicy": {"enginesTo": [{"ipBlock": {"cidr": "10.8.0.0/16"}}]}})
     assert egress_allowed(narrowed, narrowed.deployment, 8000, Peer(ip="10.8.3.4"))
     assert not egress_allowed(narrowed, narrowed.deployment, 8000, Peer(ip="10.9.3.4"))
 
@@ -187,7 +195,8 @@ def test_egress_reaches_dns_and_the_engines_ports_and_nothing_else(chart: Chart)
     ],
 )
 @pytest.mark.parametrize("shape", ["sidecar", "shared"])
-def test_redis_egress_only_with_the_redis_ledger(chart: Chart, ledger: dict[str, Any], port: int | None, shape: str) -> None:
+def test_redis_egress_only_with_the_redis_ledger(chart: Chart, ledger: dict[str, Any], port: int | None,
+                                                 shape: str) -> None:
     r = chart.render({"shape": shape, "ledger": ledger})
     redis = Peer(labels={"app": "redis"}, namespace={"kubernetes.io/metadata.name": "cache"})
     service = r.deployment_of("admission")

@@ -57,7 +57,8 @@ def test_each_component_schedules_on_its_own_settings_over_the_shared_ones(chart
         "tolerations": gpu_taint,
         "envoy": {"scheduling": {"nodeSelector": {"pool": "edge"}}},
         "extproc": {"scheduling": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["control"]}]}]}}}}},
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["control"]}]}]}}}}},
     }
     r = chart.render(values)
     envoy, extproc = _spec(r.one("Deployment", "-envoy")), _spec(r.one("Deployment", "-extproc"))
@@ -120,7 +121,7 @@ def test_a_chart_version_bump_changes_no_pod_template(chart: Chart, shape: str, 
         bumped = Chart(loaded).render(values)
     before = chart.render(values)
     assert len(before.deployments) == len(bumped.deployments) >= 1
-    for old, new in zip(before.deployments, bumped.deployments):
+    for old, new in zip(before.deployments, bumped.deployments, strict=True):
         assert new["metadata"]["labels"]["helm.sh/chart"] == "llm-admission-9.9.9"
         assert old["metadata"]["labels"]["helm.sh/chart"] != new["metadata"]["labels"]["helm.sh/chart"]
         assert old["spec"]["template"] == new["spec"]["template"], old["metadata"]["name"]

@@ -30,7 +30,8 @@ def test_the_chart_sets_every_setting_the_table_says_it_sets(chart: Chart) -> No
     rendered = _env_names(chart)
     said = {s.env for s in SETTINGS if s.chart is not None}
     assert said - rendered == set(), "the table names a chart key for these, but the chart never sets them"
-    assert rendered & set(BY_ENV) == rendered, f"the chart sets variables the service does not read: {rendered - set(BY_ENV)}"
+    assert rendered & set(BY_ENV) == rendered, (
+        f"the chart sets variables the service does not read: {rendered - set(BY_ENV)}")
     unset = {s.env for s in SETTINGS if s.chart is None}
     assert unset & rendered == set(), "the table says the chart does not set these, but it does"
     assert all(s.chart_note for s in SETTINGS if s.chart is None), "a setting the chart leaves alone needs a reason"

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-
 from .conftest import CHART, NAMESPACE, SHARED_VALUE_SETS, VALUE_SETS, Chart, Rendered, envoy_validate, helm
 from .test_chart import _park_cap, _service_settings, validate_manifests
 
@@ -47,18 +46,21 @@ def test_every_manifest_validates_against_the_kubernetes_schema(shared: Rendered
 
 def test_shared_shape_is_an_envoy_deployment_and_one_admission_service(chart: Chart) -> None:
     r = chart.render(SHARED_VALUE_SETS["shared-default"])
-    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy",
-                         "PodDisruptionBudget", "Service", "Service", "Service"]
-    assert sorted(d["metadata"]["name"] for d in r.deployments) == ["demo-llm-admission-envoy", "demo-llm-admission-extproc"]
+    assert r.kinds() == ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment", "NetworkPolicy",
+                         "NetworkPolicy", "PodDisruptionBudget", "Service", "Service", "Service"]
+    assert sorted(d["metadata"]["name"] for d in r.deployments) == ["demo-llm-admission-envoy",
+                                                                    "demo-llm-admission-extproc"]
     assert [c["name"] for c in r.one("Deployment", "-envoy")["spec"]["template"]["spec"]["containers"]] == ["envoy"]
-    assert [c["name"] for c in r.one("Deployment", "-extproc")["spec"]["template"]["spec"]["containers"]] == ["admission"]
+    assert ([c["name"] for c in r.one("Deployment", "-extproc")["spec"]["template"]["spec"]["containers"]]
+            == ["admission"])
     # The two Deployments' selectors are disjoint: neither adopts the other's pods.
     envoy, extproc = r.one("Deployment", "-envoy"), r.one("Deployment", "-extproc")
     assert not _selects(envoy["spec"]["selector"]["matchLabels"], extproc)
     assert not _selects(extproc["spec"]["selector"]["matchLabels"], envoy)
 
 
-def test_the_admission_service_runs_one_replica_never_two_at_once_and_listens_on_all_addresses(shared: Rendered) -> None:
+def test_the_admission_service_runs_one_replica_never_two_at_once_and_listens_on_all_addresses(
+        shared: Rendered) -> None:
     deployment = shared.one("Deployment", "-extproc")
     assert deployment["spec"]["replicas"] == 1  # one ledger; not a value
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # no surge pod, no second ledger
@@ -87,7 +89,8 @@ def test_the_admission_service_is_a_cluster_ip_service_for_grpc_and_metrics(shar
     a = shared.values["admission"]
     assert service["spec"]["type"] == "ClusterIP"
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert ports["grpc"] == {"name": "grpc", "port": a["grpcPort"], "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}
+    assert ports["grpc"] == {"name": "grpc", "port": a["grpcPort"], "targetPort": "grpc", "protocol": "TCP",
+                             "appProtocol": "grpc"}
     assert ports["admin"]["port"] == a["adminPort"] and ports["admin"]["targetPort"] == "admin"
     assert _selects(service["spec"]["selector"], shared.one("Deployment", "-extproc"))
     assert not _selects(service["spec"]["selector"], shared.one("Deployment", "-envoy"))
@@ -103,8 +106,10 @@ def test_envoys_run_the_sidecar_shapes_envoy_container_and_the_inference_service
     sidecar = chart.render(sidecar_values)
     assert shared.container("envoy") == sidecar.container("envoy")
     envoy_volume = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "envoy-config"]
-    assert envoy_volume == [v for v in sidecar.deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "envoy-config"]
-    assert shared.one("ConfigMap", "-envoy")["data"]["prestop.sh"] == sidecar.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
+    assert envoy_volume == [v for v in sidecar.deployment["spec"]["template"]["spec"]["volumes"]
+                            if v["name"] == "envoy-config"]
+    assert (shared.one("ConfigMap", "-envoy")["data"]["prestop.sh"]
+            == sidecar.one("ConfigMap", "-envoy")["data"]["prestop.sh"])
     # So is its config's init container, but for where the service is: the shared Service's name.
     init, sidecar_init = shared.init_container(), sidecar.init_container()
     at = init["command"].index("--extproc") + 1
@@ -113,7 +118,7 @@ def test_envoys_run_the_sidecar_shapes_envoy_container_and_the_inference_service
     assert {**init, "command": init["command"][:at] + init["command"][at + 1:], "env": None} == {
         **sidecar_init, "command": sidecar_init["command"][:at] + sidecar_init["command"][at + 1:], "env": None}
     # The env differs only where the service listens (0.0.0.0 for the Envoys of the shared shape).
-    differ = [(a, b) for a, b in zip(init["env"], sidecar_init["env"]) if a != b]
+    differ = [(a, b) for a, b in zip(init["env"], sidecar_init["env"], strict=True) if a != b]
     assert [a["name"] for a, _ in differ] == ["EXTPROC_LISTEN"]
     # Its pods wait for Envoy's drain only (there is no service beside it).
     drain = math.ceil(_park_cap(shared)) + shared.values["shutdown"]["inflightAllowanceSeconds"]
@@ -138,7 +143,8 @@ def test_the_pod_disruption_budget_covers_the_envoys_only(shared: Rendered) -> N
     assert not _selects(selector, shared.one("Deployment", "-extproc"))
 
 
-def test_rendered_envoy_config_is_what_the_generator_builds_for_the_shared_service(shared: Rendered, tmp_path: Path) -> None:
+def test_rendered_envoy_config_is_what_the_generator_builds_for_the_shared_service(shared: Rendered,
+                                                                                   tmp_path: Path) -> None:
     """The init container's config, from the values read here: the ext_proc cluster is the shared
     Service's DNS name (STRICT_DNS: it resolves to the ClusterIP)."""
     from extproc.envoyconf import build_envoy_config, memory_bytes
@@ -184,7 +190,8 @@ def test_metrics_job_llm_admission_is_the_admission_service_in_both_shapes(chart
             # A Service port's endpoints are the selected pods that declare its (named) target port.
             jobs[job] = sorted(
                 c["name"] for d in r.deployments if _selects(services[0]["spec"]["selector"], d)
-                for c in d["spec"]["template"]["spec"]["containers"] if port["targetPort"] in {p["name"] for p in c["ports"]})
+                for c in d["spec"]["template"]["spec"]["containers"]
+                if port["targetPort"] in {p["name"] for p in c["ports"]})
         assert jobs == {"llm-admission": ["admission"], "llm-admission-envoy": ["envoy"]}
         assert r.one("PrometheusRule")["spec"]["groups"]
         assert r.one("ConfigMap", "-dashboard")["data"]["llm-admission.json"]
@@ -192,9 +199,11 @@ def test_metrics_job_llm_admission_is_the_admission_service_in_both_shapes(chart
 
 def test_config_changes_roll_the_pods_that_read_them(chart: Chart) -> None:
     def annotations(values: dict[str, Any], suffix: str) -> dict[str, str]:
-        return chart.render({"shape": "shared", **values}).one("Deployment", suffix)["spec"]["template"]["metadata"]["annotations"]
+        deployment = chart.render({"shape": "shared", **values}).one("Deployment", suffix)
+        return deployment["spec"]["template"]["metadata"]["annotations"]
 
-    assert annotations({}, "-envoy")["checksum/envoy"] != annotations({"admission": {"maxParkSeconds": 60}}, "-envoy")["checksum/envoy"]
+    assert (annotations({}, "-envoy")["checksum/envoy"]
+            != annotations({"admission": {"maxParkSeconds": 60}}, "-envoy")["checksum/envoy"])
     other = {"engines": [{"name": "vllm", "url": "http://vllm:8000", "models": ["other"]}]}
     assert annotations({}, "-extproc")["checksum/engines"] != annotations(other, "-extproc")["checksum/engines"]
     # The Envoys' config is generated from the engines file too.
