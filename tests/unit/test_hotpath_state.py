@@ -18,9 +18,7 @@ from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 from extproc.wire import pb
 
-from .conversation_helpers import CannedStream
-from .conversation_helpers import chat_request as _request
-from .conversation_helpers import start_stack as _setup
+from .conversation_helpers import CannedStream, chat_request as _request, start_stack as _setup
 
 
 def _frame_locals(task: asyncio.Task[Any]) -> list[object]:

@@ -14,9 +14,7 @@ import grpc
 from extproc.outcomes import Outcome
 from extproc.wire import pb
 
-from .conversation_helpers import CannedStream
-from .conversation_helpers import chat_request as _request
-from .conversation_helpers import start_stack as _setup
+from .conversation_helpers import CannedStream, chat_request as _request, start_stack as _setup
 
 
 def test_wait_returns_a_decision_made_before_it_was_called() -> None:
