@@ -1,5 +1,5 @@
 # `make run`  : set up .venv and run simulator + admission service + Envoy in the foreground.
-# `make test` : set up .venv and run the whole test suite.
+# `make test` : set up .venv, lint (ruff; mypy, strict on extproc) and run the whole test suite.
 # ENGINE_URL=http://host:8000 make run   fronts a real vLLM instead of the simulator.
 
 PYTHON ?= python3
@@ -11,9 +11,9 @@ STAMP  := $(VENV)/.installed
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
-	@echo "make test          run the whole test suite"
+	@echo "make test          lint, then run the whole test suite"
 	@echo "make unit          run only the fast unit tests"
-	@echo "make lint          ruff and mypy (mypy strict on the service package)"
+	@echo "make lint          ruff and mypy (mypy strict on the service package); make test runs it first"
 	@echo "make generate      rewrite every generated file: envoy/envoy.yaml, the dashboard and the chart's"
 	@echo "                   copies, the ext_proc stubs in extproc/_proto (a test fails when one is stale)"
 
@@ -31,7 +31,7 @@ run: $(STAMP)
 system-deps:
 	bash scripts/install-system-deps.sh
 
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps lint
 	$(PY) -m pytest
 
 lint: $(STAMP)
