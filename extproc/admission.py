@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -150,6 +151,8 @@ class Admission:
             if ticket.id not in entry.waiters:
                 self._register(entry, ticket.id)
             self._metrics.parked.labels(engine, model).inc()
+            if decision.predicted_wait is not None:  # finite: a parked request's bound is within the cap
+                self._metrics.child(self._metrics.predicted_wait, engine).observe(decision.predicted_wait)
             entry.recent.append(RecentDecision(now, model, Outcome.PARKED.value, tokens, 0.0, None))
         else:
             entry.parked.discard(ticket.id)
@@ -323,9 +326,17 @@ class Admission:
                 m.child(m.backfilled, engine, ticket.model).inc()
         else:
             m.child(m.rejected, engine, ticket.model, outcome.value).inc()
+        if (outcome is Outcome.EXPECTED_WAIT_TOO_LONG and decision.predicted_wait is not None
+                and math.isfinite(decision.predicted_wait)):  # infinite: the cache shrank below its cost
+            m.child(m.predicted_wait, engine).observe(decision.predicted_wait)
         if parked:
             waited = max(0.0, now - ticket.arrived)
             m.child(m.park_duration, engine, outcome.value).observe(waited)
+            if outcome is Outcome.ADMITTED_AFTER_PARK and ticket.predicted_wait is not None:
+                error = waited - ticket.predicted_wait
+                m.child(m.wait_prediction_error, engine).observe(error)
+                if error < 0:
+                    m.child(m.wait_bound_violations, engine).inc()
 
     def _bind_gauges(self, metrics: Metrics, engine: str) -> None:
         """The engine-labelled gauges read the gate when scraped, not on every event: an event costs

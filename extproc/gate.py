@@ -95,10 +95,47 @@ long together: bench/README.md, "Generation reservation", measures both.
 Retry-After comes from the measured completion rate of this gate's admitted requests: a request
 at queue position p expects to wait p / rate. When that already exceeds the park cap, it is
 rejected at once with that Retry-After instead of being held for the whole cap.
+
+Waits from work (`wait_estimates`, with the budget). A rate guess must not turn a request away
+that would have been served in time, so the budget also computes a LOWER BOUND on the wait
+(`wait_bound`), and a request whose bound already runs past its park deadline is answered at
+once (`expected_wait_too_long`, Retry-After = the bound): on arrival, and for every parked
+request on each scrape, when the bound or the throughput behind it changes.
+
+- What must happen first. A request is admitted only if its cost fits `capacity - others -
+  reserved` and a slot is free (`fits`), so at least `reserved + cost - capacity` tokens of the
+  reservations held NOW must be released (`others` >= 0 only adds), and at least `inflight + 1 -
+  (max_inflight + engine_queue_slots)` of our open requests must end. Parked requests ahead do
+  NOT count: one may leave (its park cap, its client) or be passed by backfill, and then the
+  request behind it needs only what is held now; a bound that counted them would be no bound.
+- Work. A reservation is released when its request ends, which needs at least the rest of its
+  prompt processed (generation may stop after one token: only the prompt is certain). A ticket
+  admitted t seconds ago has had at most `rate x t` of its prompt processed, and all of them
+  together at most `rate x` (time since the oldest admission). The least prompt work that frees
+  the tokens (and ends the requests) needed is bounded below by the fractional knapsack: take
+  the cheapest work per released token first (`_WorkAhead`); both per-ticket and total caps give
+  a bound, the larger is used.
+- Throughput, an UPPER bound. Prompt counters (`prompt_tokens_total`) grow only when a prefill
+  completes (a 65k prompt shows nothing for minutes), but KV usage grows chunk by chunk while it
+  runs. So the gate measures the KV growth between consecutive scrapes in which the engine was
+  busy (running + waiting > 0 at both ends) and nothing finished (the engine's finished-request
+  count did not move, else none of ours ended): growth over time across `RATE_INTERVALS` such
+  intervals is one measurement, and the highest ever seen (reset when the capacity changes or the
+  engine's counters go back) times `RATE_MARGIN` is the bound. Decode and idle moments only lower
+  a measurement, so the peak comes from prefill; step quantisation (a step longer than a poll)
+  only raises it. Until the first measurement there is no bound and nothing is rejected early
+  (cold start, as before). Residual risks, both on the side of a bound too high: a first
+  measurement taken while the engine was mostly decoding (the margin covers a 2x shortfall), and
+  preemptions (they free KV mid-interval); `admission_wait_bound_violations_total` counts every
+  parked request admitted sooner than its bound said.
+- The completion-rate estimate above still turns an arrival away when position / rate exceeds
+  the cap (it is an estimate, not a bound); the bound adds the early answers it can prove, and
+  is the only rule that answers a request already parked.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import math
@@ -116,6 +153,10 @@ RATE_WINDOW = 32  # completions kept to measure the completion rate
 GENERATION_WINDOW = 32  # finished requests the generation mean is smoothed over
 #: Fraction of the park cap after which a KV-blocked head is no longer bypassed by backfill.
 BACKFILL_PATIENCE = 0.5
+#: Busy scrape intervals one throughput measurement spans (module docstring, "Waits from work").
+RATE_INTERVALS = 8
+#: The wait bound divides by the peak measured throughput times this.
+RATE_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
@@ -191,19 +232,21 @@ class Ticket:
     backfilled: bool = False
     owner: str = ""  # the replica that holds the request's stream (shared ledger)
     lease_until: float | None = None  # the owner vouches for the ticket until then (None: forever)
+    # While parked: the first wait bound it got, as seconds from arrival (None: none yet).
+    predicted_wait: float | None = None
 
     def to_state(self) -> dict[str, Any]:
         return {"m": self.model, "a": self.arrived, "t": self.tokens, "g": self.generation, "i": self.id,
                 "s": self.state.value,
                 "d": self.park_deadline, "at": self.admitted_at, "c": self.counted, "r": self.reserved,
-                "b": self.backfilled, "o": self.owner, "l": self.lease_until}
+                "b": self.backfilled, "o": self.owner, "l": self.lease_until, "pw": self.predicted_wait}
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> Ticket:
         return cls(model=d["m"], arrived=d["a"], tokens=d["t"], generation=d.get("g", 0), id=d["i"],
                    state=TicketState(d["s"]),
                    park_deadline=d["d"], admitted_at=d["at"], counted=d["c"], reserved=d["r"],
-                   backfilled=d["b"], owner=d["o"], lease_until=d["l"])
+                   backfilled=d["b"], owner=d["o"], lease_until=d["l"], predicted_wait=d.get("pw"))
 
     def __repr__(self) -> str:
         return f"<Ticket #{self.id} {self.model} {self.state} {self.tokens}t>"
@@ -214,6 +257,7 @@ class Decision:
     ticket: Ticket
     outcome: Outcome
     retry_after: int | None = None  # seconds, for rejections the client should retry
+    predicted_wait: float | None = None  # the wait bound behind a park or an early rejection
 
 
 @dataclass(frozen=True)
@@ -238,6 +282,8 @@ class EngineGate:
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
         self._others_before = 0  # `others` as the previous scrape left it, when the next one came
         self._generation_mean: float | None = None  # smoothed mean generation of finished requests
+        self._busy: deque[tuple[float, float]] = deque(maxlen=RATE_INTERVALS)  # (KV growth, seconds)
+        self._peak_rate: float | None = None  # highest measured KV growth, tokens per second
 
     # --- views ----------------------------------------------------------------------------
 
@@ -410,7 +456,18 @@ class EngineGate:
         wait = self.expected_wait(position)
         if wait is None:
             return self.limits.retry_after_seconds
-        return int(min(RETRY_AFTER_MAX_SECONDS, max(RETRY_AFTER_MIN_SECONDS, math.ceil(wait))))
+        return _clamp_retry_after(wait)
+
+    def throughput_bound(self) -> float | None:
+        """Tokens per second the engine is taken never to exceed (peak x margin), or None before a
+        measurement."""
+        return None if self._peak_rate is None else RATE_MARGIN * self._peak_rate
+
+    def wait_bound(self, ticket: Ticket, now: float) -> float | None:
+        """Seconds before which `ticket` surely cannot be admitted (module docstring, "Waits from
+        work"), or None where there is no bound (no budget, no measurement yet, estimates off)."""
+        ahead = self._work_ahead(now)
+        return None if ahead is None else ahead.seconds(self.cost(ticket))
 
     # --- events ---------------------------------------------------------------------------
 
@@ -430,14 +487,19 @@ class EngineGate:
         if len(self._queue) >= self.limits.max_queue_depth:
             ticket.state = TicketState.DONE
             return Decision(ticket, Outcome.QUEUE_FULL, self.retry_after(position))
+        bound = self.wait_bound(ticket, now)
+        if bound is not None and bound > self.limits.max_park_seconds:
+            ticket.state = TicketState.DONE
+            return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, _clamp_retry_after(bound), bound)
         wait = self.expected_wait(position)
         if wait is not None and wait > self.limits.max_park_seconds:
             ticket.state = TicketState.DONE
-            return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, self.retry_after(position))
+            return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, self.retry_after(position), bound)
         ticket.state = TicketState.PARKED
         ticket.park_deadline = now + self.limits.max_park_seconds
+        ticket.predicted_wait = bound
         self._queue.append(ticket)
-        return Decision(ticket, Outcome.PARKED)
+        return Decision(ticket, Outcome.PARKED, predicted_wait=bound)
 
     def observe(self, snapshot: EngineSnapshot, now: float) -> list[Decision]:
         """A poll succeeded: take the new snapshot and release whoever now fits.
@@ -452,10 +514,73 @@ class EngineGate:
         if others is not None:
             self._others_before = others
         self._learn_generation(self._snapshot, snapshot)
+        self._measure_throughput(self._snapshot, snapshot)
         self._snapshot = snapshot
         self._failed_polls = 0
         self._finished = [f for f in self._finished if f.finished_at > snapshot.scrape_started]
-        return self._release(now)
+        released = self._release(now)
+        return released + self._reject_hopeless(now)
+
+    def _measure_throughput(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
+        """Fold the KV growth between two good scrapes into the throughput peak (module docstring)."""
+        capacity = after.capacity_tokens
+        if before is None or not capacity:
+            return
+        ended_before, ended_after = before.generated_count, after.generated_count
+        counted = ended_before is not None and ended_after is not None
+        if before.capacity_tokens != capacity or (
+                ended_before is not None and ended_after is not None and ended_after < ended_before):
+            self._busy.clear()  # another engine, or the engine restarted: measure again
+            self._peak_rate = None
+            return
+        span = after.scrape_started - before.scrape_started
+        if self._failed_polls or span <= 0:
+            return  # polls were lost in between: the interval is not known to be busy
+        if before.running + before.waiting == 0 or after.running + after.waiting == 0:
+            return  # idle at one end
+        if counted:
+            if ended_after != ended_before:
+                return  # a request ended: its released KV hides growth
+        elif any(before.scrape_started < f.finished_at <= after.scrape_started for f in self._finished):
+            return
+        growth = (after.kv_usage - before.kv_usage) * capacity
+        if growth < 0:
+            return  # KV released without a finish (a preemption, an abort)
+        self._busy.append((growth, span))
+        if len(self._busy) == RATE_INTERVALS:
+            rate = sum(g for g, _ in self._busy) / sum(d for _, d in self._busy)
+            if rate > 0 and (self._peak_rate is None or rate > self._peak_rate):
+                self._peak_rate = rate
+
+    def _reject_hopeless(self, now: float) -> list[Decision]:
+        """Answer every parked request whose wait bound runs past its park deadline; the others keep
+        the first bound they get as their prediction (a wait from arrival, for the error metric)."""
+        if not self._queue:
+            return []
+        ahead = self._work_ahead(now)
+        if ahead is None:
+            return []
+        rejected: list[Decision] = []
+        for ticket in list(self._queue):
+            bound = ahead.seconds(self.cost(ticket))
+            if ticket.park_deadline is not None and now + bound > ticket.park_deadline:
+                self._queue.remove(ticket)
+                ticket.state = TicketState.DONE
+                rejected.append(Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, _clamp_retry_after(bound), bound))
+            elif ticket.predicted_wait is None:
+                ticket.predicted_wait = max(0.0, now - ticket.arrived) + bound
+        return rejected
+
+    def _work_ahead(self, now: float) -> _WorkAhead | None:
+        """What must be released before anything more is admitted, as work; None without a bound."""
+        rate = self.throughput_bound()
+        capacity = self.capacity_tokens
+        if (not (self.limits.wait_estimates and self._budgeting) or rate is None or capacity is None
+                or self.state is not EngineState.FRESH):
+            return None
+        limit = self.limits.max_inflight + self.limits.engine_queue_slots
+        return _WorkAhead.of(self._inflight, rate, now, self.reserved_tokens - capacity,
+                             len(self._inflight) + 1 - limit)
 
     def _learn_generation(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
         """Fold the requests the engine finished between two scrapes into the generation mean."""
@@ -585,6 +710,8 @@ class EngineGate:
             "done": list(self._completions),
             "ob": self._others_before,
             "gm": self._generation_mean,
+            "bi": [list(b) for b in self._busy],
+            "pk": self._peak_rate,
         }
 
     @classmethod
@@ -601,6 +728,8 @@ class EngineGate:
         gate._completions = deque(state["done"], maxlen=RATE_WINDOW)
         gate._others_before = state["ob"]
         gate._generation_mean = state.get("gm")
+        gate._busy = deque(((float(g), float(d)) for g, d in state.get("bi", ())), maxlen=RATE_INTERVALS)
+        gate._peak_rate = state.get("pk")
         return gate
 
     # --- internals ------------------------------------------------------------------------
@@ -645,3 +774,77 @@ class EngineGate:
                 ticket.backfilled = True
                 released.append(self._admit(ticket, now, Outcome.ADMITTED_AFTER_PARK))
         return released
+
+
+def _clamp_retry_after(wait: float) -> int:
+    return math.ceil(min(RETRY_AFTER_MAX_SECONDS, max(RETRY_AFTER_MIN_SECONDS, wait)))
+
+
+@dataclass(frozen=True)
+class _WorkAhead:
+    """The least prompt work after which a request of a given cost could be admitted.
+
+    Built once per evaluation from the open tickets: each releases `reserved` tokens once its
+    prompt is processed. `capped`: the rest of each prompt after the most the engine could have
+    processed of it since its admission; `full`: whole prompts, less the most the engine could
+    have processed of all of them together (`done`). Both are lower bounds; `seconds` takes the larger.
+    """
+
+    rate: float  # tokens per second, an upper bound on the engine's throughput
+    excess: int  # reserved - capacity: a request of cost c needs excess + c tokens released
+    ends: int  # open requests that must end first for a slot (<= 0: none)
+    done: float  # the most prompt work the engine can have done on all of them
+    capped: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]  # knapsack prefix sums
+    full: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+    capped_smallest: tuple[float, ...]  # prefix sums of the remaining prompts, smallest first
+    full_smallest: tuple[float, ...]
+
+    @classmethod
+    def of(cls, tickets: set[Ticket], rate: float, now: float, excess: int, ends: int) -> _WorkAhead:
+        full: list[tuple[float, int]] = []
+        capped: list[tuple[float, int]] = []
+        oldest = now
+        for t in tickets:
+            prompt = float(max(0, t.tokens - t.generation))
+            admitted = t.admitted_at if t.admitted_at is not None else now
+            oldest = min(oldest, admitted)
+            full.append((prompt, t.reserved))
+            capped.append((max(0.0, prompt - rate * max(0.0, now - admitted)), t.reserved))
+        return cls(rate, excess, ends, rate * max(0.0, now - oldest), _knapsack(capped), _knapsack(full),
+                   _prefix(sorted(w for w, _ in capped)), _prefix(sorted(w for w, _ in full)))
+
+    def work(self, cost: int) -> float:
+        need = self.excess + cost
+        work = 0.0
+        if need > 0:
+            work = max(_cheapest(self.capped, need), _cheapest(self.full, need) - self.done)
+        if self.ends > 0:
+            k = min(self.ends, len(self.capped_smallest) - 1)
+            work = max(work, self.capped_smallest[k], self.full_smallest[k] - self.done)
+        return max(0.0, work)
+
+    def seconds(self, cost: int) -> float:
+        return self.work(cost) / self.rate
+
+
+def _prefix(values: list[float]) -> tuple[float, ...]:
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return tuple(sums)
+
+
+def _knapsack(items: list[tuple[float, int]]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Items (work, released tokens), cheapest work per token first: prefix sums of tokens and work,
+    and each item's work per token."""
+    ranked = sorted((w / r, w, r) for w, r in items if r > 0)
+    return _prefix([r for _, _, r in ranked]), _prefix([w for _, w, _ in ranked]), tuple(x for x, _, _ in ranked)
+
+
+def _cheapest(sums: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]], need: float) -> float:
+    """The least work that releases `need` tokens, taking items fractionally (a lower bound)."""
+    released, work, per_token = sums
+    i = bisect.bisect_left(released, need)  # released[i - 1] < need <= released[i]
+    if i >= len(released):
+        return math.inf  # even all of them together do not release enough
+    return work[i - 1] + (need - released[i - 1]) * per_token[i - 1]

@@ -22,13 +22,16 @@ _PARK_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 90, 120, 1
 ADMITTED_VIA: tuple[Outcome, ...] = (Outcome.ADMITTED, Outcome.ADMITTED_AFTER_PARK, Outcome.ADMITTED_FAIL_OPEN)
 #: How a park can end (`admission_park_duration_seconds{outcome}`).
 PARK_ENDINGS: tuple[Outcome, ...] = (Outcome.ADMITTED_AFTER_PARK, Outcome.ADMITTED_FAIL_OPEN, Outcome.PARK_TIMEOUT,
-                                     Outcome.CLIENT_GONE, Outcome.SHUTTING_DOWN)
+                                     Outcome.EXPECTED_WAIT_TOO_LONG, Outcome.CLIENT_GONE, Outcome.SHUTTING_DOWN)
 #: Why a poll of the engine's /metrics failed (`engine_poll_failures_total{reason}`, extproc/observer.py).
 POLL_FAILURE_REASONS = ("unreachable", "timeout", "http_status", "unparsable")
 #: Why a request was not subject to admission (`admission_passthrough_total{reason}`, extproc/servicer.py).
 PASSTHROUGH_REASONS = ("path_not_gated", "no_models_configured")
 #: Where a prompt-token estimate came from (`admission_estimate_source_total{source}`, extproc/tokencount.py).
 ESTIMATE_SOURCES = ("tokenizer", "engine", "fallback", "learned", "prior", "bytes")
+#: actual - predicted wait of parked-then-admitted requests. No negative bounds (prometheus_client then
+#: drops `_sum`): a bound that did not hold lands in le="0" and in admission_wait_bound_violations_total.
+_ERROR_BUCKETS = (0, 1, 5, 10, 30, 60, 120, 300, 600)
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -52,6 +55,21 @@ class Metrics:
         self.park_duration = Histogram(
             "admission_park_duration_seconds", "Time spent parked, by how the park ended.",
             ["engine", "outcome"], buckets=_PARK_BUCKETS, registry=r)
+        self.predicted_wait = Histogram(
+            "admission_predicted_wait_seconds",
+            "The gate's lower bound on a request's wait (KV budget: the least prompt work that frees room, over the "
+            "engine's peak throughput), per park or early rejection that had one.",
+            ["engine"], buckets=_PARK_BUCKETS, registry=r)
+        self.wait_prediction_error = Histogram(
+            "admission_wait_prediction_error_seconds",
+            "Actual wait minus the bound predicted when it parked, for parked requests then admitted "
+            "(>= 0 while the bound holds).",
+            ["engine"], buckets=_ERROR_BUCKETS, registry=r)
+        self.wait_bound_violations = Counter(
+            "admission_wait_bound_violations",
+            "Parked requests admitted sooner than their predicted lower bound (the bound was wrong: the engine ran "
+            "faster than its measured peak throughput times the margin).",
+            ["engine"], registry=r)
         self.decision_latency = Histogram(
             "admission_decision_latency_seconds",
             "Service time to answer Envoy's body message, excluding time parked.",
@@ -182,6 +200,9 @@ class Metrics:
                 self.poll_failures.labels(name, reason)
             for outcome in PARK_ENDINGS:
                 self.park_duration.labels(name, outcome.value)
+            self.predicted_wait.labels(name)
+            self.wait_prediction_error.labels(name)
+            self.wait_bound_violations.labels(name)
             for model in engine.models:
                 for via in ADMITTED_VIA:
                     self.admitted.labels(name, model, via.value)
