@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from .config import load_settings
 from .envoyconf import render_envoy_config
@@ -87,7 +87,7 @@ class Child:
     env: dict[str, str]
     log_path: Path | None
     process: subprocess.Popen[bytes] | None = None
-    _log: object = None
+    _log: BinaryIO | None = None
 
     def start(self) -> None:
         if self.log_path is not None:
@@ -112,7 +112,7 @@ class Child:
                 proc.kill()
                 proc.wait()
         if self._log is not None:
-            self._log.close()  # type: ignore[attr-defined]
+            self._log.close()
             self._log = None
         self.process = None
         return proc.returncode
@@ -421,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         while not stop:
             for child in (stack.sim, stack.extproc, stack.envoy):
                 if child is not None and not child.alive():
-                    print(f"devstack: {child.name} exited with {child.process.returncode}; stopping", file=sys.stderr)  # type: ignore[union-attr]
+                    code = child.process.returncode if child.process is not None else None
+                    print(f"devstack: {child.name} exited with {code}; stopping", file=sys.stderr)
                     return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
