@@ -343,6 +343,8 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
     admitted: Counter[str] = Counter()
     poll_failures: Counter[str] = Counter()
     degraded = expiries = 0.0
+    bound: dict[str, float] = {}  # the wait bound's histograms, summed (gateway seconds)
+    error_buckets: dict[float, float] = {}
     live = [s for s in stacks if s.service.extproc is not None and s.service.extproc.alive()]  # a fault may kill one
     for admin_url in dict.fromkeys(stack.admin_url for stack in live):  # a shared service once
         status, body = http_get(f"{admin_url}/metrics", timeout=5.0)
@@ -363,9 +365,47 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
                 degraded += value
             elif name == "admission_ledger_lease_expiries_total":
                 expiries += value
+            elif name.startswith(("admission_predicted_wait_seconds", "admission_wait_prediction_error_seconds")):
+                if name.endswith("_bucket"):
+                    if name.startswith("admission_wait_prediction_error"):
+                        le = float(labels["le"])
+                        error_buckets[le] = error_buckets.get(le, 0.0) + value
+                elif name.endswith(("_sum", "_count")):
+                    bound[name] = bound.get(name, 0.0) + value
+            elif name == "admission_wait_bound_violations_total":
+                bound[name] = bound.get(name, 0.0) + value
     return {"parked": int(parked), "stale_transitions": int(stale), "rejected": dict(rejected),
             "admitted": dict(admitted), "poll_failures": dict(poll_failures),
-            "ledger_degraded_transitions": int(degraded), "ledger_lease_expiries": int(expiries)}
+            "ledger_degraded_transitions": int(degraded), "ledger_lease_expiries": int(expiries),
+            "bound": bound, "error_buckets": error_buckets}
+
+
+def wait_bound_report(records: Sequence[RequestRecord], gateway: dict[str, Any] | None, k: float) -> dict[str, Any]:
+    """The gate's wait bound (extproc/gate.py, "Waits from work") as the run saw it, engine seconds.
+
+    From the service's metrics: how many parks and early answers had a bound and its mean; for
+    parked requests then admitted, the mean of actual wait - bound (>= 0 while the bound holds),
+    its cumulative distribution and the violations. From the clients: each early answer
+    (`expected_wait_too_long`), in engine seconds after the request was sent.
+    """
+    early = sorted(round((r.finished - r.sent) * k, 1) for r in records if r.reason == "expected_wait_too_long"
+                   and r.finished is not None and r.sent is not None)
+    out: dict[str, Any] = {"early_answers": len(early), "early_answer_after_s": early}
+    if gateway is None:
+        return out
+    b = gateway["bound"]
+    predictions = b.get("admission_predicted_wait_seconds_count", 0.0)
+    with_bound = b.get("admission_wait_prediction_error_seconds_count", 0.0)
+    out.update({
+        "predictions": int(predictions),
+        "predicted_mean_s": _r(b["admission_predicted_wait_seconds_sum"] / predictions * k) if predictions else None,
+        "parked_admitted_with_bound": int(with_bound),
+        "error_mean_s": _r(b["admission_wait_prediction_error_seconds_sum"] / with_bound * k) if with_bound else None,
+        "error_cdf": {f"<={le * k:g}s": int(n) for le, n in sorted(gateway["error_buckets"].items())
+                      if math.isfinite(le)} if with_bound else {},
+        "violations": int(b.get("admission_wait_bound_violations_total", 0.0)),
+    })
+    return out
 
 
 def engine_preemptions(engine_url: str) -> int:
@@ -703,6 +743,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "completed_by_class": {name: sum(1 for r in group if r.outcome == "completed")
                                for name, group in by_class.items()},
         "parked": gateway["parked"] if gateway else 0,
+        "wait_bound": wait_bound_report(records, gateway, k),
         "preemptions": preemptions,
         **estimate_ratios(records, run["arrivals"], run.get("estimates")),
         **({"gateway_estimate_ratio": run["gateway_estimate_ratio"]}
@@ -786,6 +827,11 @@ def render_run(result: dict[str, Any]) -> str:
     if result["mode"] in GATED_MODES:
         lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
                      f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
+        wb = result["wait_bound"]
+        lines.append(f"wait bound: {wb.get('predictions', 0)} predictions (mean {wb.get('predicted_mean_s')} s); "
+                     f"parked then admitted with one {wb.get('parked_admitted_with_bound', 0)}, actual - bound mean "
+                     f"{wb.get('error_mean_s')} s, violations {wb.get('violations', 0)}; early answers "
+                     f"{wb['early_answers']} at {wb['early_answer_after_s']} s")
     if result.get("estimate_ratio") is not None:
         by_class = ", ".join(f"{c} {v}" for c, v in result["estimate_ratio_by_class"].items())
         lines.append(f"prompt estimate / engine count: {result['estimate_ratio']} ({by_class})")
