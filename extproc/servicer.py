@@ -246,6 +246,7 @@ class Conversation:
         self.stream.phase = Phase.DONE
         await self._write(pb.ProcessingResponse(
             immediate_response=pb.ImmediateResponse(
+                # The stubs type an enum field as its StatusCode class; on the wire (and at runtime) it is this int.
                 status=http_status_pb2.HttpStatus(code=row.status),  # type: ignore[arg-type]
                 headers=pb.HeaderMutation(set_headers=headers),
                 body=error_body(outcome, message),
