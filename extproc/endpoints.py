@@ -161,8 +161,9 @@ def _measure(body: bytes, text_keys: tuple[str, ...], output_key: str | None) ->
     every = text_keys == _ALL
     text_bytes = token_ids = 0
     output: int | None = None
-    # The body already passed scan_body, so it is one valid JSON object.
-    for prefix, event, value in ijson.parse(body, use_float=True):
+    # The body already passed scan_body, so it is one valid JSON object; read as one buffer, as
+    # there (a string spanning ijson's default 64 KiB reads is re-buffered at each).
+    for prefix, event, value in ijson.parse(body, use_float=True, buf_size=max(len(body), 1)):
         if event not in ("string", "number"):
             continue
         top, _, rest = prefix.partition(".")
