@@ -302,7 +302,8 @@ class Estimator:
             cost = estimate_cost(facts, s.bytes_per_token, s.estimate_safety_factor, s.default_max_tokens)
         else:
             cost = await self._counted(engine, endpoint, body, facts)
-        self._metrics.estimate_source.labels(engine.name, facts.model, cost.source).inc()
+        m = self._metrics
+        m.child(m.estimate_source, engine.name, facts.model, cost.source).inc()
         return cost
 
     async def _counted(self, engine: EngineConfig, endpoint: Endpoint, body: bytes, facts: BodyFacts) -> CostEstimate:
@@ -350,7 +351,8 @@ class Estimator:
         except (aiohttp.ClientError, ValueError) as exc:
             raise CountError(f"{type(exc).__name__}: {exc}") from None
         finally:
-            self._metrics.tokenize_duration.labels(engine.name).observe(time.perf_counter() - t0)
+            m = self._metrics
+            m.child(m.tokenize_duration, engine.name).observe(time.perf_counter() - t0)
         count = answer.get("count") if isinstance(answer, dict) else None
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise CountError("the answer has no count")
@@ -375,15 +377,16 @@ class Estimator:
     def admitted(self, engine: str, model: str, cost: CostEstimate) -> None:
         self.calibration[engine].admitted(cost)
         self._models.setdefault(engine, set()).add(model)
-        self._metrics.estimated_prompt_tokens.labels(engine, model).inc(cost.engine_prompt_tokens)
+        m = self._metrics
+        m.child(m.estimated_prompt_tokens, engine, model).inc(cost.engine_prompt_tokens)
 
     def finished(self, engine: str, facts: BodyFacts) -> None:
         self.calibration[engine].finished(facts, self.overhead)
         self._publish(engine)
 
     def _publish(self, engine: str) -> None:
-        cal = self.calibration[engine]
-        self._metrics.bytes_per_token.labels(engine).set(cal.bytes_per_token()[0])
+        cal, m = self.calibration[engine], self._metrics
+        m.child(m.bytes_per_token, engine).set(cal.bytes_per_token()[0])
         ratio = cal.ratio()
         for model in self._models.get(engine, ()):
-            self._metrics.estimate_ratio.labels(engine, model).set(math.nan if ratio is None else ratio)
+            m.child(m.estimate_ratio, engine, model).set(math.nan if ratio is None else ratio)
