@@ -329,6 +329,8 @@ class Admission:
         if (outcome is Outcome.EXPECTED_WAIT_TOO_LONG and decision.predicted_wait is not None
                 and math.isfinite(decision.predicted_wait)):  # infinite: the cache shrank below its cost
             m.child(m.predicted_wait, engine).observe(decision.predicted_wait)
+        if outcome is Outcome.EXPECTED_WAIT_TOO_LONG and decision.predicted_wait is not None:
+            m.child(m.wait_bound_answers, engine).inc()
         if parked:
             waited = max(0.0, now - ticket.arrived)
             m.child(m.park_duration, engine, outcome.value).observe(waited)
@@ -354,6 +356,7 @@ class Admission:
             (metrics.stale, lambda: 1 if gate().state is EngineState.STALE else 0),
             (metrics.kv_reserved, lambda: sum(t.reserved for t in entry.open.values())),
             (metrics.kv_available, lambda: _nan_if_none(gate().available_tokens())),
+            (metrics.throughput_bound, lambda: _nan_if_none(gate().throughput_bound())),
         ]
         for gauge, read in reads:
             gauge.labels(engine).set_function(read)

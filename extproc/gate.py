@@ -257,7 +257,9 @@ class Decision:
     ticket: Ticket
     outcome: Outcome
     retry_after: int | None = None  # seconds, for rejections the client should retry
-    predicted_wait: float | None = None  # the wait bound behind a park or an early rejection
+    # The wait bound behind a park, or behind an early answer that it proved (None: the completion
+    # rate's estimate turned it away, or there was no bound).
+    predicted_wait: float | None = None
 
 
 @dataclass(frozen=True)
@@ -494,7 +496,7 @@ class EngineGate:
         wait = self.expected_wait(position)
         if wait is not None and wait > self.limits.max_park_seconds:
             ticket.state = TicketState.DONE
-            return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, self.retry_after(position), bound)
+            return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, self.retry_after(position))
         ticket.state = TicketState.PARKED
         ticket.park_deadline = now + self.limits.max_park_seconds
         ticket.predicted_wait = bound
@@ -563,7 +565,10 @@ class EngineGate:
         rejected: list[Decision] = []
         for ticket in list(self._queue):
             bound = ahead.seconds(self.cost(ticket))
-            if ticket.park_deadline is not None and now + bound > ticket.park_deadline:
+            deadline = ticket.park_deadline
+            if deadline is not None and now >= deadline:
+                continue  # its cap is over: the timer answers it (park_timeout), the bound proves nothing
+            if deadline is not None and now + bound > deadline:
                 self._queue.remove(ticket)
                 ticket.state = TicketState.DONE
                 rejected.append(Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, _clamp_retry_after(bound), bound))

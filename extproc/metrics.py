@@ -65,6 +65,17 @@ class Metrics:
             "Actual wait minus the bound predicted when it parked, for parked requests then admitted "
             "(>= 0 while the bound holds).",
             ["engine"], buckets=_ERROR_BUCKETS, registry=r)
+        self.throughput_bound = Gauge(
+            "admission_engine_throughput_bound_tokens_per_second",
+            "The throughput the wait bound assumes the engine never exceeds: its peak measured KV growth while busy, "
+            "times the margin (NaN before the first measurement; used only with the KV budget).",
+            ["engine"], registry=r)
+        self.wait_bound_answers = Counter(
+            "admission_wait_bound_answers",
+            "Requests answered expected_wait_too_long because the wait bound proved they could not be admitted "
+            "within the park cap (on arrival, or while parked); the rest of that reason came from the completion-rate "
+            "estimate.",
+            ["engine"], registry=r)
         self.wait_bound_violations = Counter(
             "admission_wait_bound_violations",
             "Parked requests admitted sooner than their predicted lower bound (the bound was wrong: the engine ran "
@@ -203,6 +214,7 @@ class Metrics:
             self.predicted_wait.labels(name)
             self.wait_prediction_error.labels(name)
             self.wait_bound_violations.labels(name)
+            self.wait_bound_answers.labels(name)
             for model in engine.models:
                 for via in ADMITTED_VIA:
                     self.admitted.labels(name, model, via.value)

@@ -163,6 +163,14 @@ def test_a_request_parked_before_any_measurement_takes_its_first_bound_as_its_pr
     assert third.predicted_wait == (t - 0.5) + first
 
 
+def test_a_request_whose_cap_is_already_over_is_left_to_the_timer() -> None:
+    gate = _two_big_admitted(cap=5.0)
+    third = gate.arrive(ticket(0.0, BIG), 0.0).ticket
+    t, kv, decisions = measure(gate, 0.0, 0.0, rate=250.0)  # the bound arrives after the cap
+    assert decisions == [] and gate.queued() == (third,)
+    assert [d.outcome for d in gate.expire(t)] == [Outcome.PARK_TIMEOUT]
+
+
 def test_requests_parked_behind_a_hopeless_head_are_judged_on_what_is_held_not_on_the_head() -> None:
     # The head (65k) cannot get in before its cap; a small one behind it may still be served in time:
     # once an admitted 8k ends it can backfill, or follow when the head leaves. Its bound must not
@@ -333,7 +341,7 @@ def _measured_admission(cap: float) -> tuple[Admission, CollectorRegistry, list[
 
 
 async def _two_big_then_measured(admission: Admission, now: list[float], engine: str) -> Ticket:
-    """Two 65k prompts admitted, then 8 busy scrapes at 500 tok/s of KV growth; the first ticket."""
+    """Two 65k prompts admitted, then busy scrapes 2 s apart, KV growing 250 tok/s; the first ticket."""
     await admission.start()
     await admission.observe(engine, snap(0.0, 0.0, running=0))
     first = await admission.arrive(engine, "m", *_split(BIG))
@@ -366,6 +374,7 @@ def test_a_prediction_and_its_error_reach_the_metrics() -> None:
         assert value("admission_wait_prediction_error_seconds_count") == 1
         assert math.isclose(value("admission_wait_prediction_error_seconds_sum"), 5.0)
         assert value("admission_wait_bound_violations_total") == 0
+        assert value("admission_engine_throughput_bound_tokens_per_second") == RATE_MARGIN * 250.0  # 500 per 2 s
 
     asyncio.run(scenario())
 
@@ -383,6 +392,7 @@ def test_an_early_answer_reaches_the_metrics_with_its_prediction() -> None:
         assert registry.get_sample_value("admission_predicted_wait_seconds_sum", labels) == d.predicted_wait
         assert registry.get_sample_value(
             "admission_rejected_total", {**labels, "model": "m", "reason": "expected_wait_too_long"}) == 1
+        assert registry.get_sample_value("admission_wait_bound_answers_total", labels) == 1
 
     asyncio.run(scenario())
 
