@@ -26,3 +26,6 @@ PARK_TIMEOUT_MARGIN_SECONDS = 5.0
 MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS = 3600
 #: The longest park cap: Envoy's max_message_timeout is the park cap plus two margins.
 MAX_PARK_SECONDS = MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS - 2 * PARK_TIMEOUT_MARGIN_SECONDS
+#: The request headers the service reads (the path, method and body headers it classifies by, the
+#: request id for its logs); Envoy's ext_proc `forward_rules` sends it only these.
+READ_REQUEST_HEADERS = (":method", ":path", "content-length", "content-type", "x-request-id")

@@ -59,6 +59,16 @@ def test_body_cap_is_the_listener_buffer_limit_and_bodies_reach_the_service_part
     assert _ext_proc(doc)["processing_mode"]["request_body_mode"] == "BUFFERED_PARTIAL"
 
 
+def test_envoy_sends_the_service_only_the_request_headers_it_reads() -> None:
+    from extproc.contract import READ_REQUEST_HEADERS
+    from extproc.servicer import _READ_HEADERS
+
+    rules = _ext_proc(build_envoy_config(load_settings(LOCAL_ENV)))["forward_rules"]
+    assert rules == {"allowed_headers": {"patterns": [{"exact": h} for h in READ_REQUEST_HEADERS]}}
+    assert _READ_HEADERS == set(READ_REQUEST_HEADERS)
+    assert {":path", ":method", "content-length", "content-type", "x-request-id"} <= _READ_HEADERS
+
+
 def test_ext_proc_circuit_breakers_exceed_any_queue_bound() -> None:
     settings = load_settings({**LOCAL_ENV, "VLLM_MAX_QUEUE_DEPTH": "500"})
     (extproc,) = [c for c in build_envoy_config(settings)["static_resources"]["clusters"] if c["name"] == "extproc"]
