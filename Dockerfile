@@ -12,14 +12,13 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
-# Only what the service's wheel is made of: the package finder then sees extproc/ alone, so the
-# simulator and the benchmarks (tests' tools) stay out of the image.
+# Only what the service's wheel is made of (pyproject packages extproc/ alone; the simulator, the
+# benchmarks and devstack are tools of the checkout and never ship).
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 RUN python -m venv /opt/llm-admission \
  && /opt/llm-admission/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/llm-admission/bin/pip install --no-compile /wheels/llm_admission-*.whl \
- && rm -f /opt/llm-admission/bin/enginesim \
  && /opt/llm-admission/bin/python -m compileall -q /opt/llm-admission/lib \
  && /opt/llm-admission/bin/pip uninstall -y pip
 

@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m extproc.devstack
+	$(PY) -m devstack
 
 system-deps:
 	bash scripts/install-system-deps.sh

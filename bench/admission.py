@@ -46,9 +46,9 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from enginesim.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
+from devstack import SIM_MODEL, LocalStack, RedisServer, http_get, wait_until
 from extproc.config import DEFAULT_MAX_PARK_SECONDS
-from extproc.devstack import SIM_MODEL, LocalStack, RedisServer, http_get, wait_until
+from extproc.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, Scenario, build_requests, prompt_content
 from .text import DEFAULT_TEXT, TEXT_KINDS

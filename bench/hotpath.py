@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from extproc.devstack import Child, LocalStack, console_script, free_port, http_get, wait_until
+from devstack import Child, LocalStack, console_script, free_port, http_get, simulator_argv, wait_until, with_checkout
 
 MODEL = "sim-model"
 PATH = "/v1/chat/completions"
@@ -638,9 +638,9 @@ def exposition_parse(workdir: Path, reps: int) -> dict[str, Any]:
     from extproc.enginemetrics import parse_engine_metrics
 
     port = free_port()
-    sim = Child("enginesim", [console_script("enginesim"), "--host", "127.0.0.1", "--port", str(port),
-                              "--model", MODEL, "--data-parallel-size", "4"], dict(os.environ),
-                workdir / "enginesim.log")
+    sim = Child("enginesim", simulator_argv("--host", "127.0.0.1", "--port", str(port),
+                                            "--model", MODEL, "--data-parallel-size", "4"),
+                with_checkout(os.environ), workdir / "enginesim.log")
     sim.start()
     try:
         base = f"http://127.0.0.1:{port}"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from extproc.devstack import LocalStack, RedisServer, http_get
+from devstack import LocalStack, RedisServer, http_get
 
 
 def _cpu_seconds(pid: int) -> float:

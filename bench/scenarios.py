@@ -27,7 +27,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from enginesim.tokenizer import DEFAULT_TOKENIZER
+from extproc.tokenizer import DEFAULT_TOKENIZER
 
 from .text import DEFAULT_TEXT, sized_content
 

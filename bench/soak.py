@@ -2,7 +2,7 @@
 
     python -m bench.soak --minutes 10            # the default; loopback only
 
-Starts the engine simulator, the admission service and Envoy (`extproc.devstack.LocalStack`, free
+Starts the engine simulator, the admission service and Envoy (`devstack.LocalStack`, free
 loopback ports) and drives, with `--clients` concurrent raw HTTP/1.1 clients, a mix of requests:
 admitted ones (plain and streamed to the end), ones that park, ones rejected (queue full, park
 timeout), clients that hang up while parked or mid-stream, and bad bodies (not JSON, vertical tab
@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.devstack import SIM_MODEL, LocalStack, http_get, wait_until
+from devstack import SIM_MODEL, LocalStack, http_get, wait_until
 
 PATH = "/v1/chat/completions"
 KINDS = ("admit", "stream", "gone_parked", "gone_midstream", "bad", "park_long")

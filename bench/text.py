@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from enginesim.tokenizer import DEFAULT_TOKENIZER, Tokenizer, VocabTokenizer, get_tokenizer
+from extproc.tokenizer import DEFAULT_TOKENIZER, Tokenizer, VocabTokenizer, get_tokenizer
 
 TEXT_KINDS = ("prose", "code", "json", "cjk", "hex", "mixed")
 DEFAULT_TEXT = "mixed"

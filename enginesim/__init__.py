@@ -2,7 +2,7 @@
 
 The scheduler core (``enginesim.scheduler``) is pure; ``enginesim.engine`` runs it on an
 asyncio clock, ``enginesim.server`` serves vLLM's OpenAI-compatible API, /metrics and a
-/control API, and ``enginesim.cli`` is the ``enginesim`` command.
+/control API, and ``enginesim.cli`` is the command line (``python -m enginesim``).
 """
 
 from .config import PRESETS, SimConfig

@@ -1,4 +1,4 @@
-"""``enginesim`` command line: parse flags, start the server, stop on SIGTERM/SIGINT."""
+"""``python -m enginesim`` command line: parse flags, start the server, stop on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from typing import Any
 
 from aiohttp import web
 
+from extproc.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
+
 from .config import DP_ROUTING, PRESETS, SimConfig
 from .metrics import DIALECTS
 from .outputs import OutputLenModel
 from .scheduler import DEFAULT_PROFILE, PROFILES, CostModel, MemoryBoundCostModel, SchedulerConfig
 from .server import create_app, create_runner
-from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -101,7 +102,7 @@ LINEAR_COST_FLAGS = ("per_prefill_token_s", "per_decode_seq_s")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="enginesim",
+        prog="python -m enginesim",
         description=(
             "A vLLM V1 engine simulator: OpenAI-compatible API, vllm:* metrics and "
             "the V1 scheduler (KV blocks, chunked prefill, preemption by recompute), with "

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from extproc.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
+
 from .metrics import DIALECTS
 from .outputs import OutputLenModel
 from .scheduler import PROFILES, CostModel, SchedulerConfig
-from .tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 __all__ = ["PRESETS", "SimConfig", "DP_ROUTING"]
 
@@ -64,7 +65,7 @@ class SimConfig:
     bytes_per_token: float = 4.0  # the bytes4 tokenizer's divisor
     # None: a request without max_tokens may generate up to the context left (vLLM)
     default_max_tokens: int | None = None
-    tokenizer: str = DEFAULT_TOKENIZER  # enginesim.tokenizer.TOKENIZERS
+    tokenizer: str = DEFAULT_TOKENIZER  # extproc.tokenizer.TOKENIZERS
     output_len: str = "max"  # enginesim.outputs.OutputLenModel
     # under output_len "max": where the model ends (EOS) a request that sets no max_tokens;
     # 0: never, it runs to the context left

@@ -16,7 +16,7 @@ serving_completion.py):
   vLLM sets explicitly appear), completion chunks with every field.
 
 Token accounting is deterministic: prompt tokens are counted by the served model's tokenizer
-and chat template (``enginesim.tokenizer``; ``bytes4``: ceil(UTF-8 bytes of the text / 4));
+and chat template (``extproc.tokenizer``; ``bytes4``: ceil(UTF-8 bytes of the text / 4));
 the output limit is ``max_completion_tokens`` or ``max_tokens`` when given, else the context
 left, and where a sequence ends within it is ``enginesim.outputs``' business.
 """
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .tokenizer import TemplateError, Tokenizer
+from extproc.tokenizer import TemplateError, Tokenizer
 
 __all__ = [
     "ApiError",

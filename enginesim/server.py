@@ -44,12 +44,13 @@ from prometheus_client.openmetrics.exposition import (
     generate_latest as generate_openmetrics,
 )
 
+from extproc.tokenizer import TemplateError, Tokenizer, get_tokenizer
+
 from . import protocol
 from .config import SimConfig
 from .engine import Engine, RequestHandle
 from .outputs import OutputLenModel, SequenceEnd, TextStream, plan_end
 from .scheduler import TokenOutput
-from .tokenizer import TemplateError, Tokenizer, get_tokenizer
 
 __all__ = ["METRICS_CONTENT_TYPE", "METRICS_MODES", "QueueLimits", "create_app", "create_runner"]
 

@@ -65,7 +65,7 @@ class EstimateSettings:
     template_tools: int = 100
 
 
-BUILTIN_TOKENIZERS = ("qwen3", "qwen2.5", "llama3")  # enginesim/tokenizer.py's vocabularies
+BUILTIN_TOKENIZERS = ("qwen3", "qwen2.5", "llama3")  # extproc/tokenizer.py's vocabularies
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 In order, the first that applies (`ADMISSION_ESTIMATE=counted`, the default):
 
 1. `tokenizer`: the operator named the served model's tokenizer (`ADMISSION_TOKENIZER`): a
-   built-in vocabulary with its chat template (`qwen3`, `qwen2.5`, `llama3`: the simulator's own,
-   `enginesim/tokenizer.py`, so the count is exactly the engine's) or a `tokenizer.json` counted
-   with Hugging Face `tokenizers` (what vLLM loads), the template's framing added from the
+   built-in vocabulary with its chat template (`qwen3`, `qwen2.5`, `llama3`, `extproc/tokenizer.py`:
+   the simulator counts with the same module, so the count is exactly the engine's) or a
+   `tokenizer.json` counted with Hugging Face `tokenizers` (what vLLM loads), the template's framing added from the
    `ADMISSION_TEMPLATE_TOKENS_*` settings. Chat and completion requests; counted in a worker
    thread, off the event loop.
 2. `engine`: a chat or completion prompt of at least `ADMISSION_TOKENIZE_ABOVE_BYTES` bytes is
@@ -68,6 +68,7 @@ from .estimate import (
     estimate_from_bytes,
 )
 from .metrics import Metrics
+from .tokenizer import content_text, get_tokenizer
 
 log = logging.getLogger("extproc.tokencount")
 
@@ -93,8 +94,6 @@ class LocalTokenizer:
         self.spec = spec
         self._overhead = overhead
         if spec in BUILTIN_TOKENIZERS:
-            from enginesim.tokenizer import get_tokenizer
-
             self._builtin: Any = get_tokenizer(spec)
             self._hf: Any = None
         else:
@@ -134,7 +133,7 @@ class LocalTokenizer:
         for message in messages:
             if not isinstance(message, dict):
                 raise CountError("each message must be an object")
-            texts.append(_content_text(message.get("content")))
+            texts.append(content_text(message.get("content")))
             for call in message.get("tool_calls") or ():
                 function = call.get("function", call) if isinstance(call, dict) else {}
                 if isinstance(function, dict):
@@ -146,17 +145,6 @@ class LocalTokenizer:
         o = self._overhead
         framing = o.fixed + o.per_message * len(messages) + (o.tools if tools else 0)
         return self._hf_count("\n".join(texts)) + framing
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content
-                         if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str)))
-    raise CountError("message content must be a string or a list of parts")
 
 
 def _load(body: bytes) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from extproc.devstack import LocalStack
+from devstack import LocalStack
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -9,7 +9,7 @@ import pytest
 from bench.admission import BenchConfig, estimate_ratios, service_estimates
 from bench.scenarios import CLASSES, RequestSpec, prompt_content
 from bench.text import TEXT_KINDS, bytes4_ratio, sized_content
-from enginesim.tokenizer import get_tokenizer
+from extproc.tokenizer import get_tokenizer
 
 QWEN3 = get_tokenizer("qwen3")
 

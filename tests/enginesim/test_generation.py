@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from enginesim.tokenizer import get_tokenizer
+from extproc.tokenizer import get_tokenizer
 
 from .conftest import Sim
 

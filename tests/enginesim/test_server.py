@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim.scheduler import CostModel, SchedulerConfig
-from enginesim.tokenizer import get_tokenizer
+from extproc.tokenizer import get_tokenizer
 
 from .conftest import Sim, poll
 

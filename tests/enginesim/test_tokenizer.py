@@ -8,7 +8,7 @@ import random
 import pytest
 
 from enginesim.outputs import OutputLenModel, TextStream, plan_end
-from enginesim.tokenizer import TOKENIZERS, TemplateError, get_tokenizer
+from extproc.tokenizer import TOKENIZERS, TemplateError, get_tokenizer
 
 QWEN3 = get_tokenizer("qwen3")
 

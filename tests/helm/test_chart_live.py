@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.devstack import Child, free_port, http_get, wait_until
+from devstack import Child, free_port, http_get, simulator_argv, wait_until, with_checkout
 
 from .conftest import Chart, Rendered
 
@@ -108,7 +108,7 @@ def pod(chart: Chart, tmp_path: Path) -> Iterator[Pod]:
     envoy_args = rendered.container("envoy")["args"]
     envoy_args[envoy_args.index("--config-path") + 1] = str(tmp_path / "envoy.yaml")
 
-    sim = Child("enginesim", [str(BIN / "enginesim"), "--port", str(values["sim"])], {"PATH": str(BIN)},
+    sim = Child("enginesim", simulator_argv("--port", str(values["sim"])), with_checkout({"PATH": str(BIN)}),
                 tmp_path / "enginesim.log")
     service = Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env},
                     tmp_path / "admission.log")
@@ -211,7 +211,7 @@ def test_the_rendered_shared_shape_two_envoys_one_service_one_ledger(chart: Char
     env["EXTPROC_CONFIG"] = str(tmp_path / "engines.yaml")
     service_cmd = first.container("admission")["command"]
     children = [
-        Child("enginesim", [str(BIN / "enginesim"), "--port", str(sim_port)], {"PATH": str(BIN)},
+        Child("enginesim", simulator_argv("--port", str(sim_port)), with_checkout({"PATH": str(BIN)}),
               tmp_path / "enginesim.log"),
         Child("admission", [str(BIN / service_cmd[0]), *service_cmd[1:]], {"PATH": str(BIN), **env},
               tmp_path / "admission.log"),

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.devstack import LocalStack, http_get, wait_until
+from devstack import LocalStack, http_get, wait_until
 
 # Fast clocks so state changes are visible within a fraction of a second.
 FAST = {

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.devstack import Child, console_script, free_port, http_get, wait_until
+from devstack import Child, console_script, free_port, http_get, simulator_argv, wait_until, with_checkout
 from extproc.endpoints import DEFAULT_GATED_PATHS
 from extproc.outcomes import ENVOY_REJECTIONS
 
@@ -115,6 +115,45 @@ def test_path_and_method_tricks_against_a_closed_gate_never_reach_the_engine(mak
     assert upstream_requests(stack) == 1
 
 
+def _exchange(stack: Stack, request: bytes) -> Reply:
+    """Send `request` byte for byte and read the whole answer."""
+    with socket.create_connection(("127.0.0.1", stack.local.envoy_port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head_bytes, _, payload = data.partition(b"\r\n\r\n")
+    lines = head_bytes.decode("latin-1").split("\r\n")
+    fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+    return Reply(int(lines[0].split()[1]), {k.strip().lower(): v.strip() for k, v in fields.items()}, payload)
+
+
+_HEAD = "{method} /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n{framing}\r\n"
+_CHUNKED = "transfer-encoding: chunked\r\n"
+
+# (what the request does with its body, the request, the x-admission-outcome the service must give)
+FRAMINGS = [
+    ("chunked, no content-length", (_HEAD.format(method="POST", framing=_CHUNKED)).encode()
+     + b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\n\r\n", "queue_full"),
+    ("chunked, in two chunks", (_HEAD.format(method="POST", framing=_CHUNKED)).encode()
+     + b"%x\r\n" % 5 + BODY[:5] + b"\r\n" + b"%x\r\n" % (len(BODY) - 5) + BODY[5:] + b"\r\n0\r\n\r\n",
+     "queue_full"),
+    ("chunked, empty", (_HEAD.format(method="POST", framing=_CHUNKED)).encode() + b"0\r\n\r\n", "invalid_body"),
+    ("no body, no content-length", _HEAD.format(method="POST", framing="").encode(), "invalid_body"),
+    ("content-length 0", _HEAD.format(method="POST", framing="content-length: 0\r\n").encode(), "invalid_body"),
+    ("content-length 0, then bytes", _HEAD.format(method="POST", framing="content-length: 0\r\n").encode() + BODY,
+     "invalid_body"),
+]
+
+
+def test_body_framing_tricks_against_a_closed_gate_never_reach_the_engine(make_stack) -> None:  # noqa: ANN001
+    stack = closed_stack(make_stack)
+    answers = {name: _exchange(stack, request).headers.get("x-admission-outcome") for name, request, _ in FRAMINGS}
+    assert answers == {framing: outcome for framing, _, outcome in FRAMINGS}
+    assert upstream_requests(stack) == 0
+    assert stack.arrivals() == []
+
+
 def _multipart(fields: list[tuple[str, bytes, str | None]]) -> tuple[bytes, str]:
     boundary = uuid.uuid4().hex
     out = b""
@@ -205,8 +244,8 @@ def test_a_model_the_engine_serves_is_gated_even_when_the_configuration_does_not
 @pytest.fixture
 def engine_b(tmp_path: Path):  # noqa: ANN201
     port = free_port()
-    child = Child("enginesim-b", [console_script("enginesim"), "--port", str(port), "--model", "model-b"],
-                  {}, tmp_path / "enginesim-b.log")
+    child = Child("enginesim-b", simulator_argv("--port", str(port), "--model", "model-b"),
+                  with_checkout({}), tmp_path / "enginesim-b.log")
     child.start()
     wait_until(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, 30, "engine b")
     yield port

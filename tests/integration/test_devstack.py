@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.devstack import ChildExited, LocalStack
+from devstack import ChildExited, LocalStack
 
 from .conftest import FAST
 from .http import chat_body, post

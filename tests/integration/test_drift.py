@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from extproc.devstack import wait_until
+from devstack import wait_until
 
 from .conftest import Stack
 

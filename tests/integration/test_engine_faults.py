@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from extproc.devstack import wait_until
+from devstack import wait_until
 
 from .conftest import Stack
 from .http import chat_body, post

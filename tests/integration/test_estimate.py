@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.text import sized_content
-from extproc.devstack import wait_until
+from devstack import wait_until
 
 from .conftest import Stack
 from .http import chat_body, post

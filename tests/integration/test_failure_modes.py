@@ -38,7 +38,7 @@ def test_broken_engine_metrics_go_stale_and_fail_open(stack: Stack, mode: str) -
 
 
 def test_degraded_startup_logs_error_and_sets_the_gauge(make_stack) -> None:  # noqa: ANN001
-    from extproc.devstack import LocalStack
+    from devstack import LocalStack
 
     stack = make_stack(with_extproc=False)
     local: LocalStack = stack.local

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.devstack import free_port, http_get
+from devstack import free_port, http_get
 from extproc.metrics import ADMITTED_VIA, PARK_ENDINGS, PASSTHROUGH_REASONS, POLL_FAILURE_REASONS
 from extproc.outcomes import REJECTED_REASONS
 

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
+from devstack import RedisServer
 from extproc.admission import Admission, gate_limits
 from extproc.config import load_settings
-from extproc.devstack import RedisServer
 from extproc.gate import Decision, EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
 from extproc.ledger import LedgerMetrics, RedisLedger
 from extproc.metrics import Metrics

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.devstack import LocalStack, RedisServer, http_get
+from devstack import LocalStack, RedisServer, http_get
 
 from .conftest import FAST, Stack
 from .http import chat_body, post

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from extproc.devstack import free_port, wait_until
+from devstack import free_port, wait_until
 from extproc.envoyconf import LOCAL_REPLIES
 from extproc.outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome
 

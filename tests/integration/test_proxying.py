@@ -8,7 +8,7 @@ from pathlib import Path
 
 import openai
 
-from extproc.devstack import Child, console_script, free_port
+from devstack import Child, free_port, simulator_argv, with_checkout
 
 from .conftest import Stack, two_engine_env
 from .http import chat_body, get, post
@@ -82,8 +82,8 @@ def test_no_observed_models_admits_everything_ungated(make_stack) -> None:  # no
 
 def test_several_engines_are_routed_by_model(make_stack, tmp_path: Path) -> None:  # noqa: ANN001
     sim_port, other_port = free_port(), free_port()
-    other = Child("enginesim-b", [console_script("enginesim"), "--port", str(other_port), "--model", "other-model"],
-                  {}, tmp_path / "enginesim-b.log")
+    other = Child("enginesim-b", simulator_argv("--port", str(other_port), "--model", "other-model"),
+                  with_checkout({}), tmp_path / "enginesim-b.log")
     other.start()
     try:
         stack = make_stack(two_engine_env(tmp_path, sim_port, other_port, "other-model"), sim_port=sim_port)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.devstack import http_get
+from devstack import http_get
 
 from .conftest import Stack
 

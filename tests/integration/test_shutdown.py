@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from extproc.devstack import wait_until
+from devstack import wait_until
 
 from .conftest import Stack
 from .http import Reply, chat_body, post

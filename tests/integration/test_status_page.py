@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from devstack import http_get, wait_until
 from extproc.adminhttp import STATIC_FILES
-from extproc.devstack import http_get, wait_until
 
 from .conftest import Stack
 from .http import chat_body, post
@@ -230,7 +230,7 @@ def test_status_json_and_static_files(stack: Stack) -> None:
 
 
 def test_the_status_page_is_not_on_the_probe_port(make_stack: Callable[..., Stack]) -> None:
-    from extproc.devstack import free_port
+    from devstack import free_port
 
     probe = free_port()
     stack = make_stack({"EXTPROC_PROBE_LISTEN": f"127.0.0.1:{probe}"})

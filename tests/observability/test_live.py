@@ -1,6 +1,6 @@
 """A real Prometheus scrapes the real stack: every dashboard query returns data, the alerts fire.
 
-The stack is the one `make run` starts (simulator + `extproc serve` + Envoy, extproc.devstack),
+The stack is the one `make run` starts (simulator + `extproc serve` + Envoy, devstack),
 with fast clocks and the shared ledger on a throwaway redis-server (ADMISSION_LEDGER=redis: the
 `admission_ledger_*` series the dashboard's "Shared ledger (Redis)" row and two alerts use exist
 only then; every other series is exported with either ledger). Prometheus (the Debian package's
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.devstack import LocalStack, RedisServer, free_port, http_get, wait_until
+from devstack import LocalStack, RedisServer, free_port, http_get, wait_until
 
 from .dashboard_queries import concrete, dashboard, targets
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from devstack import free_port
 from enginesim.scheduler import SchedulerConfig
 from extproc.check import metrics_url
 from extproc.cli import main
-from extproc.devstack import free_port
 from tests.enginesim.conftest import FAST, Sim, make_sim  # noqa: F401  (fixture)
 
 REFERENCE = SchedulerConfig(num_gpu_blocks=9527, block_size=16, max_num_seqs=4, max_num_batched_tokens=2048,

@@ -250,7 +250,7 @@ def test_envoy_refuses_connections_beyond_the_cap_and_serves_the_others(tmp_path
     """The real Envoy with a cap of 2: a third connection is closed unanswered, the first two are served."""
     import socket
 
-    from extproc.devstack import free_port, http_get, wait_until
+    from devstack import free_port, http_get, wait_until
 
     port, admin = free_port(), free_port()
     path = tmp_path / "envoy.yaml"

@@ -19,13 +19,13 @@ from bench.text import sized_content
 from enginesim.config import SimConfig
 from enginesim.scheduler import SchedulerConfig
 from enginesim.server import create_app
-from enginesim.tokenizer import get_tokenizer
 from extproc.bodyscan import BodyError, scan_body
 from extproc.config import ConfigError, load_settings
 from extproc.endpoints import endpoint_for
 from extproc.estimate import TemplateOverhead, estimate_cost, estimate_from_bytes, prompt_from_bytes
 from extproc.metrics import Metrics
 from extproc.tokencount import Calibration, Estimator, LocalTokenizer, tokenize_request
+from extproc.tokenizer import get_tokenizer
 
 CHAT = "/v1/chat/completions"
 QWEN = get_tokenizer("qwen3")

@@ -12,10 +12,10 @@ import pytest
 
 from bench.estimate_cost import qwen3_tokenizer_json
 from bench.text import sized_content
-from enginesim.tokenizer import get_tokenizer
 from extproc.bodyscan import scan_body
 from extproc.estimate import TemplateOverhead
 from extproc.tokencount import LocalTokenizer
+from extproc.tokenizer import get_tokenizer
 
 QWEN = get_tokenizer("qwen3")
 

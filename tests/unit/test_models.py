@@ -11,8 +11,8 @@ import time
 
 from aiohttp import web
 
+from devstack import free_port
 from extproc.config import load_settings
-from extproc.devstack import free_port
 from extproc.models import MISS_REFRESH_INTERVAL_SECONDS, ModelRegistry
 
 

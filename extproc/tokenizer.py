@@ -32,6 +32,10 @@ Cost (2-core x86, Qwen3, counting ~4 bytes/token text): ~0.2 ms per 8k tokens, ~
 65k tokens, held on the event loop (the C extension keeps the GIL, so a thread would not
 help); see enginesim/README.md.
 
+It lives in the service package because both sides count with it: the simulator (enginesim) as
+the engine, and the service's estimate when the operator names a built-in vocabulary
+(`ADMISSION_TOKENIZER`, extproc/tokencount.py).
+
 Generated text: ``output_words`` lists single-token vocabulary strings of the form `` word``
 (a space and lowercase ASCII letters), each of which the pre-tokenizer keeps as one piece, so
 any concatenation of them tokenizes back to exactly as many tokens.
@@ -53,6 +57,7 @@ __all__ = [
     "TemplateError",
     "Tokenizer",
     "VocabTokenizer",
+    "content_text",
     "get_tokenizer",
 ]
 
@@ -70,7 +75,7 @@ class TemplateError(ValueError):
     """A chat request the template cannot render (vLLM answers 400)."""
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
     """A message's content as the template sees it (vLLM's "string" content format)."""
     if content is None:
         return ""
@@ -139,7 +144,7 @@ def render_chatml(messages: Any, tools: Sequence[Any] | None, add_generation_pro
     if tools:
         out.append("<|im_start|>system\n")
         if first_system:
-            out.append(_content_text(messages[0].get("content")) + "\n\n")
+            out.append(content_text(messages[0].get("content")) + "\n\n")
         elif default_system is not None:
             out.append(default_system + "\n\n")
         out.append(QWEN_TOOLS_HEAD)
@@ -147,13 +152,13 @@ def render_chatml(messages: Any, tools: Sequence[Any] | None, add_generation_pro
             out.append("\n" + _tojson(tool))
         out.append(QWEN_TOOLS_TAIL)
     elif first_system:
-        out.append("<|im_start|>system\n" + _content_text(messages[0].get("content")) + "<|im_end|>\n")
+        out.append("<|im_start|>system\n" + content_text(messages[0].get("content")) + "<|im_end|>\n")
     elif default_system is not None:
         out.append("<|im_start|>system\n" + default_system + "<|im_end|>\n")
     count = len(messages)
     for i, message in enumerate(messages):
         role = message.get("role")
-        content = _content_text(message.get("content"))
+        content = content_text(message.get("content"))
         if role == "user" or (role == "system" and i > 0):
             out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
         elif role == "system":
@@ -188,7 +193,7 @@ def render_llama3(messages: Any, tools: Sequence[Any] | None, add_generation_pro
     out = ["<|begin_of_text|>"]
     system = ""
     if messages[0].get("role") == "system":
-        system = _content_text(messages[0].get("content")).strip()
+        system = content_text(messages[0].get("content")).strip()
         messages = messages[1:]
     out.append("<|start_header_id|>system<|end_header_id|>\n\n")
     if tools:
@@ -198,7 +203,7 @@ def render_llama3(messages: Any, tools: Sequence[Any] | None, add_generation_pro
     if tools:
         if not messages:
             raise TemplateError("Cannot put tools in the first user message when there's no first user message!")
-        first = _content_text(messages[0].get("content")).strip()
+        first = content_text(messages[0].get("content")).strip()
         messages = messages[1:]
         out.append("<|start_header_id|>user<|end_header_id|>\n\n")
         out.append("Given the following functions, please respond with a JSON for a function call with its "
@@ -213,14 +218,14 @@ def render_llama3(messages: Any, tools: Sequence[Any] | None, add_generation_pro
         calls = _tool_calls(message) if "tool_calls" in message else []
         if role in ("tool", "ipython"):
             content = message.get("content")
-            text = _tojson(content) if isinstance(content, (dict, list)) else _content_text(content)
+            text = _tojson(content) if isinstance(content, (dict, list)) else content_text(content)
             out.append("<|start_header_id|>ipython<|end_header_id|>\n\n" + text + "<|eot_id|>")
         elif calls:
             call = calls[0]
             out.append('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + call["name"]
                        + '", "parameters": ' + _tojson(call["arguments"]) + "}<|eot_id|>")
         else:
-            content = _content_text(message.get("content")).strip()
+            content = content_text(message.get("content")).strip()
             out.append(f"<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>")
     if add_generation_prompt:
         out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -396,7 +401,8 @@ class VocabTokenizer(Tokenizer):
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < limit:
                 raise TemplateError(f"token id {i!r} is out of vocabulary")
-        return self._enc.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+        data: bytes = self._enc.decode_bytes(list(ids))
+        return data.decode("utf-8", errors="replace")
 
     def output_words(self) -> Sequence[str]:
         if self._words is None:

@@ -1,6 +1,6 @@
 """Run the whole local stack: engine simulator (or a real engine), the admission service, Envoy.
 
-`python -m extproc.devstack` is what `make run` starts; the integration tests drive the same
+`python -m devstack` is what `make run` starts; the integration tests drive the same
 `LocalStack` class, so the stack they test is the stack a developer runs. Each process is a real
 child process on loopback; `stop()` terminates them in reverse order and always reaps them.
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from .config import load_settings
-from .envoyconf import render_envoy_config
+from extproc.config import load_settings
+from extproc.envoyconf import render_envoy_config
 
 SIM_MODEL = "sim-model"
 _T = TypeVar("_T")
@@ -35,6 +35,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: The checkout. The service's wheel holds extproc/ alone; the tools beside it (enginesim, bench,
+#: dashboards, devstack) run from here.
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def simulator_argv(*args: str) -> list[str]:
+    """The engine simulator as a command line (a tool of the checkout, so run as a module)."""
+    return [sys.executable, "-m", "enginesim", *args]
+
+
+def with_checkout(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the checkout first on PYTHONPATH, so a child imports the tools wherever it runs."""
+    paths = [str(CHECKOUT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def console_script(name: str) -> str:
@@ -262,9 +278,9 @@ class LocalStack:
 
     def start_sim(self, timeout: float = 30.0) -> None:
         def launch() -> None:
-            argv = [console_script("enginesim"), "--host", "127.0.0.1", "--port", str(self.sim_port),
-                    "--model", SIM_MODEL, *self.sim_args]
-            self.sim = Child("enginesim", argv, dict(os.environ), self._log("enginesim"))
+            argv = simulator_argv("--host", "127.0.0.1", "--port", str(self.sim_port), "--model", SIM_MODEL,
+                                  *self.sim_args)
+            self.sim = Child("enginesim", argv, with_checkout(os.environ), self._log("enginesim"))
             self.sim.start()
             self._wait_http(self.sim, f"{self.engine_base}/health", timeout)
 
@@ -361,7 +377,7 @@ def _discover_models(engine_url: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m extproc.devstack",
+        prog="python -m devstack",
         description="Run simulator (or ENGINE_URL) + extproc + Envoy in the foreground; Ctrl-C stops all three.",
     )
     parser.add_argument("--port", type=int, default=8080, help="Envoy listener port (default: %(default)s)")
