@@ -46,7 +46,7 @@ returns freed memory to the system (`shrink_heap`), at 98% it answers new reques
 
 This module is the only place the Envoy bootstrap is written: `extproc envoy-config` prints it
 (envoy/envoy.yaml is its output for the default settings), the local stack
-(extproc/devstack.py) builds it with options, and the Helm chart's Envoy pods get it from an
+(devstack/) builds it with options, and the Helm chart's Envoy pods get it from an
 init container that runs `extproc envoy-config` with the service's own environment. What only a
 deployment knows is an option here: the listen, admin and health addresses, where the service
 is, the first-token allowance, Envoy's memory limit, and whether the ext_proc filter is there.
@@ -376,7 +376,7 @@ def build_envoy_config(
     `memory_limit_bytes` is Envoy's container memory limit: it sizes the overload manager's heap
     cap and, unless `downstream_connections` is given, the global downstream connection cap.
     None (the default here): no overload manager, for an Envoy without a memory limit (the local
-    stack of extproc/devstack.py, benchmarks holding thousands of connections on purpose).
+    stack of devstack/, benchmarks holding thousands of connections on purpose).
     `render_envoy_config`, the config file for a deployment, defaults to the chart's 512 MiB.
 
     `bound_engines=False` leaves out the engine clusters' bound (and the ungated cluster): only
