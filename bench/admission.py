@@ -372,7 +372,12 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
                         error_buckets[le] = error_buckets.get(le, 0.0) + value
                 elif name.endswith(("_sum", "_count")):
                     bound[name] = bound.get(name, 0.0) + value
-            elif name == "admission_wait_bound_violations_total":
+            elif name in ("admission_wait_bound_violations_total", "admission_wait_bound_answers_total"):
+                bound[name] = bound.get(name, 0.0) + value
+            elif name == "admission_engine_throughput_bound_tokens_per_second" and math.isfinite(value):
+                bound[name] = max(bound.get(name, 0.0), value)
+            elif (name.startswith("admission_park_duration_seconds_") and name.endswith(("_sum", "_count"))
+                  and labels.get("outcome") == "admitted_after_park"):
                 bound[name] = bound.get(name, 0.0) + value
     return {"parked": int(parked), "stale_transitions": int(stale), "rejected": dict(rejected),
             "admitted": dict(admitted), "poll_failures": dict(poll_failures),
@@ -390,20 +395,28 @@ def wait_bound_report(records: Sequence[RequestRecord], gateway: dict[str, Any] 
     """
     early = sorted(round((r.finished - r.sent) * k, 1) for r in records if r.reason == "expected_wait_too_long"
                    and r.finished is not None and r.sent is not None)
-    out: dict[str, Any] = {"early_answers": len(early), "early_answer_after_s": early}
+    out: dict[str, Any] = {"early_answers": len(early), "early_answer_after_s": early}  # by either rule
     if gateway is None:
         return out
     b = gateway["bound"]
     predictions = b.get("admission_predicted_wait_seconds_count", 0.0)
     with_bound = b.get("admission_wait_prediction_error_seconds_count", 0.0)
+    after_park = b.get("admission_park_duration_seconds_count", 0.0)
+    rate = b.get("admission_engine_throughput_bound_tokens_per_second")
     out.update({
+        # tokens per ENGINE second (the gateway's clock runs K times slower than the engine's)
+        "throughput_bound_tok_s": _r(rate / k) if rate else None,
         "predictions": int(predictions),
         "predicted_mean_s": _r(b["admission_predicted_wait_seconds_sum"] / predictions * k) if predictions else None,
+        "parked_admitted": int(after_park),
+        "parked_admitted_wait_mean_s": _r(b["admission_park_duration_seconds_sum"] / after_park * k)
+        if after_park else None,
         "parked_admitted_with_bound": int(with_bound),
         "error_mean_s": _r(b["admission_wait_prediction_error_seconds_sum"] / with_bound * k) if with_bound else None,
         "error_cdf": {f"<={le * k:g}s": int(n) for le, n in sorted(gateway["error_buckets"].items())
                       if math.isfinite(le)} if with_bound else {},
         "violations": int(b.get("admission_wait_bound_violations_total", 0.0)),
+        "answers_by_bound": int(b.get("admission_wait_bound_answers_total", 0.0)),  # the rest: completion rate
     })
     return out
 
@@ -828,10 +841,12 @@ def render_run(result: dict[str, Any]) -> str:
         lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
                      f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
         wb = result["wait_bound"]
-        lines.append(f"wait bound: {wb.get('predictions', 0)} predictions (mean {wb.get('predicted_mean_s')} s); "
+        lines.append(f"wait bound: throughput bound {wb.get('throughput_bound_tok_s')} tok/s, "
+                     f"{wb.get('predictions', 0)} predictions (mean {wb.get('predicted_mean_s')} s); "
                      f"parked then admitted with one {wb.get('parked_admitted_with_bound', 0)}, actual - bound mean "
                      f"{wb.get('error_mean_s')} s, violations {wb.get('violations', 0)}; early answers "
-                     f"{wb['early_answers']} at {wb['early_answer_after_s']} s")
+                     f"{wb['early_answers']} at {wb['early_answer_after_s']} s "
+                     f"({wb.get('answers_by_bound', 0)} proved by the bound)")
     if result.get("estimate_ratio") is not None:
         by_class = ", ".join(f"{c} {v}" for c, v in result["estimate_ratio_by_class"].items())
         lines.append(f"prompt estimate / engine count: {result['estimate_ratio']} ({by_class})")
