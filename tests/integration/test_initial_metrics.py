@@ -43,7 +43,9 @@ def test_every_configured_label_set_starts_at_zero(make_stack: Callable[..., Sta
             assert _value(samples, "admission_rejected_total", engine=engine, model=model, reason=reason.value) == 0
         assert _value(samples, "admission_backfilled_total", engine=engine, model=model) == 0
         assert _value(samples, "admission_estimated_prompt_tokens_total", engine=engine, model=model) == 0
-        assert _value(samples, "engine_state_stale_total", engine=engine) == 0
+        stale = _value(samples, "engine_state_stale_total", engine=engine)
+        # Engine b's failed polls make it stale after a few of them, however soon a's first poll lands.
+        assert (stale == 0) if engine == "a" else (stale in (0, 1))
         for outcome in PARK_ENDINGS:
             assert _value(samples, "admission_park_duration_seconds_count", engine=engine, outcome=outcome.value) == 0
     for reason in POLL_FAILURE_REASONS:
