@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -719,6 +720,180 @@ def report(s: dict[str, Any], extra: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --- the one-message probe ------------------------------------------------------------------------
+
+#: How long the probe's ext_proc withholds its answer to a body: an engine's answer sooner than this
+#: came without a decision.
+PROBE_HOLD_SECONDS = 0.5
+_PROBE_BODY = b'{"model":"sim-model","messages":[{"role":"user","content":"hi"}]}'
+_BUFFER_FILTER = "envoy.filters.http.buffer"
+_EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+
+
+def _probe_ext_proc(port: int, answer: str, ready: Any, seen: list[str]) -> None:
+    """An ext_proc that answers headers at once (400 without a body, else CONTINUE) and a body after
+    PROBE_HOLD_SECONDS with `answer`:
+    `reject` (an ImmediateResponse 429) or `engine-a` (admit to engine `a`, by header and metadata);
+    what each message carried goes to `seen`."""
+    import grpc
+    from google.protobuf import struct_pb2
+
+    from extproc.contract import ROUTE_HEADER
+    from extproc.wire import base_pb2, http_status_pb2, pb, pb_grpc
+
+    class Probe(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+            endpoint = str(dict(context.invocation_metadata() or ()).get("x-admission-endpoint") or "-")
+            while (message := await context.read()) is not grpc.aio.EOF:
+                attributes = message.attributes.get("envoy.filters.http.ext_proc")
+                seen.append(f"{message.WhichOneof('request')} (endpoint metadata {endpoint}, request.id "
+                            f"{'attached' if attributes and 'request.id' in attributes.fields else 'absent'})")
+                if message.HasField("request_headers"):  # the two-message route: as the service does
+                    if message.request_headers.end_of_stream:  # no body: 400 at once
+                        await context.write(pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+                            status=http_status_pb2.HttpStatus(code=400),  # type: ignore[arg-type]
+                            details="admission_probe")))
+                        return
+                    await context.write(pb.ProcessingResponse(request_headers=pb.HeadersResponse()))
+                    continue
+                await asyncio.sleep(PROBE_HOLD_SECONDS)
+                if answer == "reject":
+                    await context.write(pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+                        status=http_status_pb2.HttpStatus(code=429),  # type: ignore[arg-type]
+                        details="admission_probe")))
+                    return
+                metadata = struct_pb2.Struct()
+                metadata.update({"admission": {"engine": "a"}})
+                header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=ROUTE_HEADER, raw_value=b"a"))
+                await context.write(pb.ProcessingResponse(dynamic_metadata=metadata, request_body=pb.BodyResponse(
+                    response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]),
+                                               clear_route_cache=True))))
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(Probe(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _probe_config(upstream_url: str, grpc_port: int, port: int, admin: int, variant: set[str]) -> dict[str, Any]:
+    """The product's Envoy config (two engines with `two-engines`) with the chat route's request
+    headers phase skipped: `skip` (per-route processing mode SKIP + BUFFERED, the endpoint named in
+    the stream's gRPC metadata; only for POSTs with a non-zero content-length unless `unguarded`),
+    `buffer` (Envoy's buffer filter after ext_proc on that route), `metadata` (engines routed on the
+    service's dynamic metadata instead of its header)."""
+    import tempfile as _tempfile
+
+    from extproc.config import load_settings
+    from extproc.envoyconf import build_envoy_config
+
+    env = {"ENGINE_URL": upstream_url, "ADMISSION_OBSERVE_MODELS": MODEL}
+    if "two-engines" in variant:
+        engines = Path(_tempfile.mkdtemp(prefix="probe-")) / "engines.yaml"
+        engines.write_text(f"engines:\n  - {{name: a, url: '{upstream_url}', models: [{MODEL}]}}\n"
+                           f"  - {{name: b, url: '{upstream_url}', models: [other]}}\n")
+        env = {"EXTPROC_CONFIG": str(engines)}
+    settings = load_settings(env)
+    config = build_envoy_config(settings, listen_host="127.0.0.1", listen_port=port, admin_host="127.0.0.1",
+                                admin_port=admin, extproc_host="127.0.0.1", extproc_port=grpc_port)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"][0]["typed_config"]["request_attributes"] = ["request.id"]
+    if "metadata" in variant:
+        namespaces = {"untyped": ["admission"]}
+        hcm["http_filters"][0]["typed_config"]["metadata_options"] = {"receiving_namespaces": namespaces}
+    if "buffer" in variant:
+        hcm["http_filters"].insert(1, {"name": _BUFFER_FILTER, "disabled": True, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": settings.max_body_bytes}})
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        match = route["match"]
+        if "metadata" in variant and any(h["name"] == "x-admission-engine" for h in match.get("headers", [])):
+            engine = match.pop("headers")[0]["string_match"]["exact"]
+            match["dynamic_metadata"] = [{"filter": "admission", "path": [{"key": "engine"}],
+                                          "value": {"string_match": {"exact": engine}}}]
+        if match.get("path") != PATH:
+            continue
+        if "unguarded" not in variant:
+            match.setdefault("headers", []).extend([
+                {"name": ":method", "string_match": {"exact": "POST"}},
+                {"name": "content-length", "string_match": {"safe_regex": {"regex": "[1-9][0-9]*"}}}])
+        route["typed_per_filter_config"] = {_EXT_PROC_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"processing_mode": {"request_header_mode": "SKIP", "request_body_mode": "BUFFERED",
+                                              "response_header_mode": "SKIP"},
+                          "grpc_initial_metadata": [{"key": "x-admission-endpoint", "value": PATH}]}}}
+        if "buffer" in variant:
+            route["typed_per_filter_config"][_BUFFER_FILTER] = {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+                "buffer": {"max_request_bytes": settings.max_body_bytes}}
+    return config
+
+
+def _probe_request(port: int, request: bytes) -> tuple[str, float]:
+    """Send `request`; the answer's status and outcome header, and how long it took."""
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+            data += chunk
+    head = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    outcome = next((line.split(":", 1)[1].strip() for line in head if line.lower().startswith("x-admission-outcome")),
+                   "")
+    return f"{head[0].split(' ', 2)[1] if head[0] else 'none'} {outcome}".strip(), time.perf_counter() - t0
+
+
+def _serving(envoy: Child, ready_url: str) -> bool:
+    return envoy.alive() and http_get(ready_url, 1.0)[0] == 200
+
+
+def one_message_probe(workdir: Path) -> list[dict[str, Any]]:
+    """What Envoy (the one the venv runs) does when the chat route skips the request headers phase:
+    for each variant, each request, its answer and whether the engine answered it without waiting for
+    the service's decision (held PROBE_HOLD_SECONDS)."""
+    import threading
+
+    upstream, upstream_url, _ = start_upstream(workdir)
+    post = (f"POST {PATH} HTTP/1.1\r\nhost: probe\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(_PROBE_BODY)}\r\n\r\n").encode() + _PROBE_BODY
+    bodiless = f"POST {PATH} HTTP/1.1\r\nhost: probe\r\n\r\n".encode()
+    variants = [("skip unguarded", "reject"), ("skip", "reject"), ("skip buffer", "reject"),
+                ("skip buffer two-engines", "engine-a"), ("skip buffer two-engines metadata", "engine-a")]
+    rows = []
+    try:
+        for name, answer in variants:
+            grpc_port, port, admin = free_port(), free_port(), free_port()
+            ready = threading.Event()
+            seen: list[str] = []
+            threading.Thread(target=_probe_ext_proc, args=(grpc_port, answer, ready, seen), daemon=True).start()
+            ready.wait(10)
+            path = workdir / f"probe-{name.replace(' ', '-')}.yaml"
+            path.write_text(yaml.safe_dump(_probe_config(upstream_url, grpc_port, port, admin, set(name.split())),
+                                           sort_keys=False))
+            envoy = Child(f"probe-{name}", [console_script("envoy"), "-c", str(path), "--concurrency", "1",
+                                            "--disable-hot-restart", "--log-level", "warn"],
+                          dict(os.environ), workdir / f"probe-{name.replace(' ', '-')}.log")
+            envoy.start()
+            try:
+                wait_until(partial(_serving, envoy, f"http://127.0.0.1:{admin}/ready"), 30, f"probe Envoy ({name})")
+                for label, request in (("POST with a body", post), ("POST without a body", bodiless)):
+                    seen.clear()
+                    answer_seen, seconds = _probe_request(port, request)
+                    rows.append({"variant": name, "service_answers": answer, "request": label, "answer": answer_seen,
+                                 "seconds": round(seconds, 3), "service_saw": list(seen),
+                                 # the engine's answer, sooner than the service's: no decision was waited for
+                                 "engine_without_decision": answer_seen == "200" and seconds < PROBE_HOLD_SECONDS})
+            finally:
+                envoy.stop()
+    finally:
+        upstream.stop()
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hotpath", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (default: %(default)s)")
@@ -727,10 +902,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 round of 1 s, 100 held requests: a smoke run")
     parser.add_argument("--skip-held", action="store_true", help="leave out the parked/open RSS runs")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--probe-one-message", action="store_true",
+                        help="only probe Envoy's one-message mode (request headers skipped) and print what it did")
     parser.add_argument("--noop-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.noop_server:
         serve_noop(args.noop_server)
+        return 0
+    if args.probe_one_message:
+        with tempfile.TemporaryDirectory(prefix="hotpath-probe-") as tmp:
+            rows = one_message_probe(Path(tmp))
+        for row in rows:
+            print(f"{row['variant']:34} {row['request']:20} -> {row['answer']:28} {row['seconds']:.3f} s"
+                  f"{'  the ENGINE answered, no decision' if row['engine_without_decision'] else ''}")
+            for message in row["service_saw"]:
+                print(f"{'':56}the service got {message}")
+        print(json.dumps(rows))
         return 0
     if args.quick:
         args.rounds, args.duration, args.held = 1, 1.0, 100

@@ -73,7 +73,7 @@ class BodyError(Exception):
         self.message = message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per request that reaches the gate, kept while it is parked or open
 class BodyFacts:
     model: str
     stream: bool
