@@ -10,10 +10,16 @@ Engines come from one of two places:
   per-engine overrides of the admission limits (see README "Configuration").
 Either way each engine has a metrics `dialect` (extproc/dialects.py: vllm, sglang, trtllm, or auto
 to detect it from the first exposition): `ADMISSION_ENGINE_DIALECT`, or an engine entry's `dialect`.
+
+Each plain typed value (int, float, bool, choice) is read through its row in
+extproc/settings_table.py, which holds its type, bounds or choices and default: `_int(env, NAME)`
+and its siblings, or `_value(row, where, raw)` for an engines-file key. No default or bound for
+those is written here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -24,14 +30,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from .contract import MAX_PARK_SECONDS
-from .dialects import AUTO, CHOICES as DIALECT_CHOICES
 from .endpoints import DEFAULT_GATED_PATHS, canonical_path
-
-#: The park cap's default: long enough for a sustained-load queue to drain on today's vLLM
-#: (bench/README.md, "Defaults"): 120 s turned away 8 of 24 `steady` requests the engine would
-#: have served, 300 s turned away 2, at about the same TTFT p95 (256 s against 248 s).
-DEFAULT_MAX_PARK_SECONDS = 300.0
+from .settings_table import BY_ENV, ENGINE_KEYS, Setting
 
 
 class ConfigError(ValueError):
@@ -46,23 +46,23 @@ class EngineLimits:
     kv_threshold: float
     max_queue_depth: int
     max_park_seconds: float
-    kv_capacity_tokens: int | None = None  # used when the engine exposes no KV capacity (its dialect's families)
+    kv_capacity_tokens: int | None  # used when the engine exposes no KV capacity (its dialect's families)
 
 
 @dataclass(frozen=True)
 class EstimateSettings:
     """How prompt tokens are estimated (extproc/estimate.py, extproc/tokencount.py)."""
 
-    mode: str = "counted"  # counted: the sources below; bytes: the estimate before issue 11
-    tokenizer: str | None = None  # a built-in vocabulary name or a tokenizer.json path
-    tokenize_above_bytes: int = 8192  # ask the engine's POST /tokenize from this prompt size; 0 = never
-    tokenize_timeout_seconds: float = 0.5
-    learn: bool = True  # learn bytes-per-token from the engine's prompt-token counter
-    bytes_per_token_min: float = 1.0  # bounds of the learned bytes-per-token
-    bytes_per_token_max: float = 4.0
-    template_fixed: int = 32
-    template_per_message: int = 5
-    template_tools: int = 100
+    mode: str  # counted: the sources below; bytes: the estimate before issue 11
+    tokenizer: str | None  # a built-in vocabulary name or a tokenizer.json path
+    tokenize_above_bytes: int  # ask the engine's POST /tokenize from this prompt size; 0 = never
+    tokenize_timeout_seconds: float
+    learn: bool  # learn bytes-per-token from the engine's prompt-token counter
+    bytes_per_token_min: float  # bounds of the learned bytes-per-token
+    bytes_per_token_max: float
+    template_fixed: int
+    template_per_message: int
+    template_tools: int
 
 
 BUILTIN_TOKENIZERS = ("qwen3", "qwen2.5", "llama3")  # extproc/tokenizer.py's vocabularies
@@ -77,7 +77,7 @@ class EngineConfig:
     upstream_port: int
     models: tuple[str, ...]
     limits: EngineLimits
-    dialect: str = AUTO  # a name in dialects.DIALECTS, or auto: detected from the first exposition
+    dialect: str  # a name in dialects.DIALECTS, or auto: detected from the first exposition
 
     @property
     def cluster(self) -> str:
@@ -112,16 +112,16 @@ class Settings:
     models_refresh_seconds: float  # 0 = only the configured models; else re-read each engine's /v1/models
     log_level: str
     log_format: str
-    config_file: str | None = None
-    ledger: str = "local"  # where the gates' state lives: this process, or Redis shared by replicas
-    redis_url: str | None = None
-    ledger_lease_seconds: float = 5.0
-    ledger_timeout_seconds: float = 0.05
-    ledger_key_prefix: str = "llm-admission"
-    replica_id: str | None = None  # this replica's name in the shared ledger (None: host-pid-random)
-    generation_reservation: str = "max_tokens"  # KV reserved for generation: the limit, or learned
-    generation_factor: float = 1.5  # with learned: this x the engine's mean generation
-    estimate: EstimateSettings = field(default_factory=lambda: EstimateSettings())
+    config_file: str | None
+    ledger: str  # where the gates' state lives: this process, or Redis shared by replicas
+    redis_url: str | None
+    ledger_lease_seconds: float
+    ledger_timeout_seconds: float
+    ledger_key_prefix: str
+    replica_id: str | None  # this replica's name in the shared ledger (None: host-pid-random)
+    generation_reservation: str  # KV reserved for generation: the limit, or learned
+    generation_factor: float  # with learned: this x the engine's mean generation
+    estimate: EstimateSettings
     model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -232,45 +232,93 @@ def _redis_url(name: str, raw: str) -> str:
 _Number = TypeVar("_Number", int, float)
 
 
-def _cast(name: str, raw: object, kind: Callable[[str], _Number], what: str) -> _Number:
+def _number(setting: Setting, name: str, raw: object, cast: Callable[[str], _Number]) -> _Number:
+    """`raw` as an int or float within `setting`'s bounds; the error names `name` and `raw`."""
     try:
-        value = kind(str(raw).strip())
+        value = cast(str(raw).strip())
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={raw!r}: must be {what}") from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name}={raw!r}: must be {what}")
+        raise ConfigError(f"{name}={raw!r}: must be {setting.allowed}") from None
+    if (isinstance(value, float) and not math.isfinite(value)) or (
+            setting.bounds is not None and not setting.bounds.admits(value)):
+        raise ConfigError(f"{name}={raw!r}: must be {setting.allowed}")
     return value
 
 
-def _int(name: str, raw: object, minimum: int) -> int:
-    value = _cast(name, raw, int, f"an integer >= {minimum}")
-    if value < minimum:
-        raise ConfigError(f"{name}={raw!r}: must be an integer >= {minimum}")
+def _value(setting: Setting, name: str, raw: object) -> int | float | bool | str:
+    """`raw` parsed as `setting`'s row says (kind, bounds, choices); a bad one names `name` and `raw`."""
+    if setting.kind == "int":
+        return _number(setting, name, raw, int)
+    if setting.kind == "float":
+        return _number(setting, name, raw, float)
+    text = str(raw).strip()
+    if setting.kind == "bool":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+    elif setting.kind == "choice":
+        for choice in setting.choices:  # matched ignoring case, returned as the table spells it
+            if text.lower() == choice.lower():
+                return choice
+    else:
+        raise TypeError(f"{setting.env} is a {setting.kind} setting: config.py parses it by hand")
+    raise ConfigError(f"{name}={raw!r}: must be {setting.allowed}")
+
+
+def _raw(env: Mapping[str, str], name: str) -> str:
+    """The variable's value, or its row's default when unset or empty."""
+    setting = BY_ENV[name]
+    if env.get(name):
+        return env[name]
+    if setting.default is None or not setting.literal:
+        raise TypeError(f"{name} has no literal default in extproc/settings_table.py: read it with its fallback")
+    return setting.default
+
+
+def _typed(env: Mapping[str, str], name: str, kind: str) -> int | float | bool | str:
+    setting = BY_ENV[name]
+    if setting.kind != kind:
+        raise TypeError(f"{name} is a {setting.kind} setting in extproc/settings_table.py, read here as {kind}")
+    return _value(setting, name, _raw(env, name))
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = _typed(env, name, "int")
+    assert isinstance(value, int)
     return value
 
 
-def _float(name: str, raw: object, low: float, high: float | None = None, low_open: bool = False) -> float:
-    bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
-    value = _cast(name, raw, float, f"a number {bound}")
-    if (value <= low if low_open else value < low) or (high is not None and value > high):
-        raise ConfigError(f"{name}={raw!r}: must be a number {bound}")
+def _float(env: Mapping[str, str], name: str) -> float:
+    value = _typed(env, name, "float")
+    assert isinstance(value, float)
     return value
 
 
-def _bool(name: str, raw: object) -> bool:
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r}: must be true or false")
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    value = _typed(env, name, "bool")
+    assert isinstance(value, bool)
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str) -> str:
+    value = _typed(env, name, "choice")
+    assert isinstance(value, str)
+    return value
+
+
+#: The park cap's default: long enough for a sustained-load queue to drain on today's vLLM
+#: (bench/README.md, "Defaults"): 120 s turned away 8 of 24 `steady` requests the engine would
+#: have served, 300 s turned away 2, at about the same TTFT p95 (256 s against 248 s).
+DEFAULT_MAX_PARK_SECONDS = _float({}, "ADMISSION_MAX_PARK_SECONDS")
 
 
 def _listen(name: str, raw: str) -> tuple[str, int]:
     host, sep, port = raw.rpartition(":")
     if not sep:
         raise ConfigError(f"{name}={raw!r}: must be HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", _int(name, port, 0)
+    if not (port.strip().isdigit() and int(port) <= 65535):
+        raise ConfigError(f"{name}={raw!r}: the port must be an integer from 0 to 65535")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _csv(raw: str | None) -> tuple[str, ...]:
@@ -289,46 +337,27 @@ def _engine_url(name: str, raw: str) -> tuple[str, str, int]:
 
 
 _ENGINE_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,40}[a-z0-9])?$")
-_ENGINE_KEYS = {
-    "name", "url", "metrics_url", "models", "max_inflight", "kv_threshold", "max_queue_depth", "max_park_seconds",
-    "kv_capacity_tokens", "dialect",
-}
+_ENGINE_KEYS = {"name", *ENGINE_KEYS}  # the per-engine rows of extproc/settings_table.py
 
 
-def _dialect(name: str, raw: object) -> str:
-    value = str(raw).strip().lower()
-    if value not in DIALECT_CHOICES:
-        raise ConfigError(f"{name}={raw!r}: must be one of {', '.join(DIALECT_CHOICES)}")
-    return value
+def _env_limits(env: Mapping[str, str]) -> EngineLimits:
+    """Every engine's limits unless its engines-file entry overrides them."""
+    return EngineLimits(
+        max_inflight=(_int(env, "ADMISSION_MAX_INFLIGHT") if env.get("ADMISSION_MAX_INFLIGHT")
+                      else _int(env, "VLLM_MAX_NUM_SEQS")),
+        kv_threshold=_float(env, "ADMISSION_KV_THRESHOLD"),
+        max_queue_depth=_int(env, "VLLM_MAX_QUEUE_DEPTH"),
+        max_park_seconds=_float(env, "ADMISSION_MAX_PARK_SECONDS"),
+        kv_capacity_tokens=_int(env, "ADMISSION_KV_CAPACITY_TOKENS") if env.get("ADMISSION_KV_CAPACITY_TOKENS")
+        else None,
+    )
 
 
-def _limits(prefix: str, source: Mapping[str, Any], defaults: EngineLimits | None) -> EngineLimits:
-    """Limits from env (`defaults is None`) or from one YAML engine entry overriding `defaults`."""
-
-    def pick(key: str, env: str) -> tuple[str, Any] | None:
-        if defaults is None:
-            return (env, source[env]) if source.get(env) not in (None, "") else None
-        return (f"{prefix}.{key}", source[key]) if key in source else None
-
-    d = defaults
-    got = pick("max_inflight", "ADMISSION_MAX_INFLIGHT")
-    if got is not None:
-        max_inflight = _int(*got, 1)
-    elif d is not None:
-        max_inflight = d.max_inflight
-    else:
-        max_inflight = _int("VLLM_MAX_NUM_SEQS", source.get("VLLM_MAX_NUM_SEQS") or 4, 1)
-    got = pick("kv_threshold", "ADMISSION_KV_THRESHOLD")
-    kv = _float(*got, 0.0, 1.0, low_open=True) if got else (d.kv_threshold if d else 0.90)
-    got = pick("max_queue_depth", "VLLM_MAX_QUEUE_DEPTH")
-    depth = _int(*got, 0) if got else (d.max_queue_depth if d else 8)
-    got = pick("max_park_seconds", "ADMISSION_MAX_PARK_SECONDS")
-    park = (_float(*got, 0.0, MAX_PARK_SECONDS, low_open=True) if got
-            else (d.max_park_seconds if d else DEFAULT_MAX_PARK_SECONDS))
-    got = pick("kv_capacity_tokens", "ADMISSION_KV_CAPACITY_TOKENS")
-    capacity = _int(*got, 1) if got else (d.kv_capacity_tokens if d else None)
-    return EngineLimits(max_inflight=max_inflight, kv_threshold=kv, max_queue_depth=depth, max_park_seconds=park,
-                        kv_capacity_tokens=capacity)
+def _entry_limits(where: str, entry: Mapping[str, Any], defaults: EngineLimits) -> EngineLimits:
+    """`defaults` with the limits one engines-file entry sets (its keys are the rows' `engine_key`s)."""
+    changes: dict[str, Any] = {f.name: _value(ENGINE_KEYS[f.name], f"{where}.{f.name}", entry[f.name])
+               for f in dataclasses.fields(EngineLimits) if f.name in entry}
+    return dataclasses.replace(defaults, **changes)
 
 
 def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits,
@@ -365,18 +394,19 @@ def _engines_from_yaml(path: str, env: Mapping[str, str], defaults: EngineLimits
         models = entry.get("models")
         if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
             raise ConfigError(f"{where}.models={models!r}: must be a non-empty list of model names")
-        limits = _limits(where, entry, defaults)
-        dialect = _dialect(f"{where}.dialect", entry["dialect"]) if "dialect" in entry else default_dialect
+        limits = _entry_limits(where, entry, defaults)
+        dialect = (str(_value(BY_ENV["ADMISSION_ENGINE_DIALECT"], f"{where}.dialect", entry["dialect"]))
+                   if "dialect" in entry else default_dialect)
         engines.append(EngineConfig(name, url, metrics_url, host, port, tuple(models), limits, dialect))
     return tuple(engines)
 
 
 def load_settings(env: Mapping[str, str]) -> Settings:
     """Build and validate the settings from an environment mapping."""
-    defaults = _limits("", env, None)
+    defaults = _env_limits(env)
     config_file = env.get("EXTPROC_CONFIG") or None
     observe = _csv(env.get("ADMISSION_OBSERVE_MODELS"))
-    dialect = _dialect("ADMISSION_ENGINE_DIALECT", env.get("ADMISSION_ENGINE_DIALECT") or AUTO)
+    dialect = _choice(env, "ADMISSION_ENGINE_DIALECT")
     if config_file:
         if observe:
             raise ConfigError(
@@ -416,32 +446,16 @@ def load_settings(env: Mapping[str, str]) -> Settings:
             raise ConfigError(
                 f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: {path!r} must be a plain path as the "
                 "engine routes it (no percent-encoding, ';', '?', dot segments, doubled or trailing '/')")
-    log_level = (env.get("EXTPROC_LOG_LEVEL") or "INFO").upper()
-    if log_level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ConfigError(f"EXTPROC_LOG_LEVEL={env.get('EXTPROC_LOG_LEVEL')!r}: must be DEBUG, INFO, WARNING or ERROR")
-    log_format = (env.get("EXTPROC_LOG_FORMAT") or "json").lower()
-    if log_format not in ("json", "text"):
-        raise ConfigError(f"EXTPROC_LOG_FORMAT={env.get('EXTPROC_LOG_FORMAT')!r}: must be json or text")
-
-    def opt(name: str, default: str) -> str:
-        return env.get(name) or default
-
-    ledger = opt("ADMISSION_LEDGER", "local").strip().lower()
-    if ledger not in ("local", "redis"):
-        raise ConfigError(f"ADMISSION_LEDGER={env.get('ADMISSION_LEDGER')!r}: must be local or redis")
+    ledger = _choice(env, "ADMISSION_LEDGER")
     redis_url = (_redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL")
                  else None)
     if ledger == "redis" and redis_url is None:
         raise ConfigError("ADMISSION_LEDGER=redis needs ADMISSION_REDIS_URL (e.g. redis://redis:6379/0)")
-    generation_reservation = opt("ADMISSION_GENERATION_RESERVATION", "max_tokens").strip().lower()
-    if generation_reservation not in ("max_tokens", "learned"):
-        raise ConfigError(f"ADMISSION_GENERATION_RESERVATION={env.get('ADMISSION_GENERATION_RESERVATION')!r}: "
-                          "must be max_tokens or learned")
     replica = env.get("ADMISSION_REPLICA_ID") or None
     if replica is not None and not re.match(r"^[A-Za-z0-9_.:-]{1,128}$", replica):
         raise ConfigError(f"ADMISSION_REPLICA_ID={replica!r}: must be 1-128 letters, digits, '_', '.', ':' or '-' "
                           "(e.g. the pod name)")
-    key_prefix = opt("ADMISSION_LEDGER_KEY_PREFIX", "llm-admission")
+    key_prefix = _raw(env, "ADMISSION_LEDGER_KEY_PREFIX")
     if not re.match(r"^[A-Za-z0-9_.:-]{1,64}$", key_prefix):
         raise ConfigError(f"ADMISSION_LEDGER_KEY_PREFIX={key_prefix!r}: "
                           "must be 1-64 letters, digits, '_', '.', ':' or '-'")
@@ -453,54 +467,39 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         admin_port=admin_port,
         probe_host=probe_host,
         probe_port=probe_port,
-        max_body_bytes=_int("MAX_BODY_BYTES", opt("MAX_BODY_BYTES", "1048576"), 1024),
-        poll_interval=_float("ENGINE_POLL_INTERVAL_SECONDS", opt("ENGINE_POLL_INTERVAL_SECONDS", "2"), 0.0, 300.0,
-                             low_open=True),
-        stale_after_polls=_int("ENGINE_STALE_AFTER_POLLS", opt("ENGINE_STALE_AFTER_POLLS", "3"), 1),
-        retry_after_seconds=_int("ADMISSION_RETRY_AFTER_SECONDS", opt("ADMISSION_RETRY_AFTER_SECONDS", "5"), 1),
-        scrape_grace_seconds=_float(
-            "ADMISSION_SCRAPE_GRACE_SECONDS", opt("ADMISSION_SCRAPE_GRACE_SECONDS", "0.5"), 0.0, 60.0),
-        local_accounting=_bool("ADMISSION_LOCAL_ACCOUNTING", opt("ADMISSION_LOCAL_ACCOUNTING", "true")),
-        kv_budget=_bool("ADMISSION_KV_BUDGET", opt("ADMISSION_KV_BUDGET", "true")),
-        backfill=_bool("ADMISSION_BACKFILL", opt("ADMISSION_BACKFILL", "true")),
-        wait_estimates=_bool("ADMISSION_WAIT_ESTIMATES", opt("ADMISSION_WAIT_ESTIMATES", "true")),
-        engine_queue_slots=_int("ADMISSION_ENGINE_QUEUE_SLOTS", opt("ADMISSION_ENGINE_QUEUE_SLOTS", "1"), 0),
-        bytes_per_token=_float(
-            "ADMISSION_BYTES_PER_TOKEN", opt("ADMISSION_BYTES_PER_TOKEN", "2.5"), 0.0, 64.0, low_open=True),
-        estimate_safety_factor=_float(
-            "ADMISSION_ESTIMATE_SAFETY_FACTOR", opt("ADMISSION_ESTIMATE_SAFETY_FACTOR", "1.0"), 0.5, 4.0),
-        default_max_tokens=_int("ADMISSION_DEFAULT_MAX_TOKENS", opt("ADMISSION_DEFAULT_MAX_TOKENS", "1024"), 0),
+        max_body_bytes=_int(env, "MAX_BODY_BYTES"),
+        poll_interval=_float(env, "ENGINE_POLL_INTERVAL_SECONDS"),
+        stale_after_polls=_int(env, "ENGINE_STALE_AFTER_POLLS"),
+        retry_after_seconds=_int(env, "ADMISSION_RETRY_AFTER_SECONDS"),
+        scrape_grace_seconds=_float(env, "ADMISSION_SCRAPE_GRACE_SECONDS"),
+        local_accounting=_bool(env, "ADMISSION_LOCAL_ACCOUNTING"),
+        kv_budget=_bool(env, "ADMISSION_KV_BUDGET"),
+        backfill=_bool(env, "ADMISSION_BACKFILL"),
+        wait_estimates=_bool(env, "ADMISSION_WAIT_ESTIMATES"),
+        engine_queue_slots=_int(env, "ADMISSION_ENGINE_QUEUE_SLOTS"),
+        bytes_per_token=_float(env, "ADMISSION_BYTES_PER_TOKEN"),
+        estimate_safety_factor=_float(env, "ADMISSION_ESTIMATE_SAFETY_FACTOR"),
+        default_max_tokens=_int(env, "ADMISSION_DEFAULT_MAX_TOKENS"),
         gated_paths=gated,
         engines=engines,
-        max_streams=_int("EXTPROC_MAX_STREAMS", opt("EXTPROC_MAX_STREAMS", "10000"), 16),
-        models_refresh_seconds=_float(
-            "ADMISSION_MODELS_REFRESH_SECONDS", opt("ADMISSION_MODELS_REFRESH_SECONDS", "30"), 0.0, 3600.0),
-        log_level=log_level,
-        log_format=log_format,
+        max_streams=_int(env, "EXTPROC_MAX_STREAMS"),
+        models_refresh_seconds=_float(env, "ADMISSION_MODELS_REFRESH_SECONDS"),
+        log_level=_choice(env, "EXTPROC_LOG_LEVEL"),
+        log_format=_choice(env, "EXTPROC_LOG_FORMAT"),
         config_file=config_file,
         ledger=ledger,
         redis_url=redis_url,
-        ledger_lease_seconds=_float(
-            "ADMISSION_LEDGER_LEASE_SECONDS", opt("ADMISSION_LEDGER_LEASE_SECONDS", "5"), 0.1, 300.0),
-        ledger_timeout_seconds=_float(
-            "ADMISSION_LEDGER_TIMEOUT_MS", opt("ADMISSION_LEDGER_TIMEOUT_MS", "50"), 1.0, 10_000.0) / 1000,
+        ledger_lease_seconds=_float(env, "ADMISSION_LEDGER_LEASE_SECONDS"),
+        ledger_timeout_seconds=_float(env, "ADMISSION_LEDGER_TIMEOUT_MS") / 1000,
         ledger_key_prefix=key_prefix,
         replica_id=replica,
         estimate=_estimate_settings(env),
-        generation_reservation=generation_reservation,
-        generation_factor=_float("ADMISSION_GENERATION_FACTOR", opt("ADMISSION_GENERATION_FACTOR", "1.5"), 0.1, 10.0),
+        generation_reservation=_choice(env, "ADMISSION_GENERATION_RESERVATION"),
+        generation_factor=_float(env, "ADMISSION_GENERATION_FACTOR"),
     )
 
 
 def _estimate_settings(env: Mapping[str, str]) -> EstimateSettings:
-    def opt(name: str, default: str) -> str:
-        return env.get(name) or default
-
-    mode = opt("ADMISSION_ESTIMATE", "counted").strip().lower()
-    if mode not in ("counted", "bytes"):
-        raise ConfigError(f"ADMISSION_ESTIMATE={env.get('ADMISSION_ESTIMATE')!r}: must be counted (the default: "
-                          "tokenizer, engine /tokenize, learned bytes-per-token) "
-                          "or bytes (the estimate before issue 11)")
     tokenizer = (env.get("ADMISSION_TOKENIZER") or "").strip() or None
     if tokenizer is not None and tokenizer not in BUILTIN_TOKENIZERS:
         if not tokenizer.endswith(".json"):
@@ -509,23 +508,19 @@ def _estimate_settings(env: Mapping[str, str]) -> EstimateSettings:
         if not os.path.isfile(tokenizer) or not os.access(tokenizer, os.R_OK):
             raise ConfigError(f"ADMISSION_TOKENIZER={tokenizer!r}: no readable file there (mount the served "
                               "model's tokenizer.json, or unset it to ask the engine's /tokenize)")
-    low = _float("ADMISSION_BYTES_PER_TOKEN_MIN", opt("ADMISSION_BYTES_PER_TOKEN_MIN", "1.0"), 0.0, 64.0,
-                 low_open=True)
-    high = _float("ADMISSION_BYTES_PER_TOKEN_MAX", opt("ADMISSION_BYTES_PER_TOKEN_MAX", "4.0"), 0.0, 64.0,
-                  low_open=True)
+    low = _float(env, "ADMISSION_BYTES_PER_TOKEN_MIN")
+    high = _float(env, "ADMISSION_BYTES_PER_TOKEN_MAX")
     if low > high:
         raise ConfigError(f"ADMISSION_BYTES_PER_TOKEN_MIN={low:g} is above ADMISSION_BYTES_PER_TOKEN_MAX={high:g}")
     return EstimateSettings(
-        mode=mode,
+        mode=_choice(env, "ADMISSION_ESTIMATE"),
         tokenizer=tokenizer,
-        tokenize_above_bytes=_int("ADMISSION_TOKENIZE_ABOVE_BYTES", opt("ADMISSION_TOKENIZE_ABOVE_BYTES", "8192"), 0),
-        tokenize_timeout_seconds=_float(
-            "ADMISSION_TOKENIZE_TIMEOUT_MS", opt("ADMISSION_TOKENIZE_TIMEOUT_MS", "500"), 1.0, 60_000.0) / 1000,
-        learn=_bool("ADMISSION_LEARN_BYTES_PER_TOKEN", opt("ADMISSION_LEARN_BYTES_PER_TOKEN", "true")),
+        tokenize_above_bytes=_int(env, "ADMISSION_TOKENIZE_ABOVE_BYTES"),
+        tokenize_timeout_seconds=_float(env, "ADMISSION_TOKENIZE_TIMEOUT_MS") / 1000,
+        learn=_bool(env, "ADMISSION_LEARN_BYTES_PER_TOKEN"),
         bytes_per_token_min=low,
         bytes_per_token_max=high,
-        template_fixed=_int("ADMISSION_TEMPLATE_TOKENS_FIXED", opt("ADMISSION_TEMPLATE_TOKENS_FIXED", "32"), 0),
-        template_per_message=_int(
-            "ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE", opt("ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE", "5"), 0),
-        template_tools=_int("ADMISSION_TEMPLATE_TOKENS_TOOLS", opt("ADMISSION_TEMPLATE_TOKENS_TOOLS", "100"), 0),
+        template_fixed=_int(env, "ADMISSION_TEMPLATE_TOKENS_FIXED"),
+        template_per_message=_int(env, "ADMISSION_TEMPLATE_TOKENS_PER_MESSAGE"),
+        template_tools=_int(env, "ADMISSION_TEMPLATE_TOKENS_TOOLS"),
     )

@@ -1,14 +1,19 @@
-"""The chart passes every setting extproc/settings_table.py says it sets, and each one it renders
-by default is what the service does with the variable unset (no silent second default)."""
+"""The chart passes every setting extproc/settings_table.py says it sets, each one it renders by
+default is what the service does with the variable unset (no silent second default), and its
+values.schema.json allows what the service allows (type, bounds, choices)."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
-from extproc.config import load_settings
-from extproc.settings_table import BY_ENV, SETTINGS
+import pytest
 
-from .conftest import Chart
+from extproc.config import load_settings
+from extproc.settings_table import BY_ENV, SETTINGS, Setting
+
+from .conftest import CHART, Chart
 
 # Value sets that switch on every conditional part of the admission container's env.
 EVERYTHING: list[dict[str, Any]] = [
@@ -48,3 +53,48 @@ def test_the_charts_default_values_are_the_services_defaults(chart: Chart) -> No
             continue
         alone = load_settings({name: value}).summary()
         assert alone == load_settings({}).summary(), f"the chart's {name}={value!r} differs from the service's default"
+
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+SCHEMA_TYPE = {"int": "integer", "float": "number", "bool": "boolean"}
+
+
+def _schema_at(path: list[str], node: dict[str, Any] = SCHEMA) -> dict[str, Any] | None:
+    for key in path:
+        node = node.get("properties", {}).get(key)
+        if node is None:
+            return None
+    return node
+
+
+def _agrees(setting: Setting, node: dict[str, Any], where: str) -> None:
+    """The schema allows what the row allows: its type, bounds (or the chart's own, where narrower) or choices."""
+    types = node.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if setting.kind in SCHEMA_TYPE:
+        assert SCHEMA_TYPE[setting.kind] in types, (where, node)
+    if setting.kind == "choice":
+        assert node.get("enum") == list(setting.choices), (where, node)
+    bounds = setting.chart_bounds or setting.bounds
+    if bounds is None:
+        return
+    low = "exclusiveMinimum" if bounds.low_open else "minimum"
+    high = "exclusiveMaximum" if bounds.high_open else "maximum"
+    assert (node.get(low), node.get(high)) == (bounds.low, bounds.high), (where, node, bounds)
+    assert {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"} & set(node) <= {low, high}, (where, node)
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.kind in (*SCHEMA_TYPE, "choice")], ids=lambda s: s.env)
+def test_the_charts_schema_allows_what_the_service_allows(setting: Setting) -> None:
+    checked = 0
+    if setting.chart is not None and (node := _schema_at(setting.chart.split("."))) is not None:
+        _agrees(setting, node, setting.chart)
+        checked += 1
+    if setting.engine_key is not None:  # the chart's engines[] entries use the key in camelCase
+        camel = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), setting.engine_key)
+        node = SCHEMA["properties"]["engines"]["items"]["properties"].get(camel)
+        assert node is not None, f"the chart's engines[] entries have no {camel} for {setting.env}"
+        _agrees(setting, node, f"engines[].{camel}")
+        checked += 1
+    if setting.chart is not None and not setting.chart_note:
+        assert checked, f"{setting.chart} ({setting.env}) has no schema"

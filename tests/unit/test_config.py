@@ -68,6 +68,9 @@ def test_no_observed_models_means_no_gating() -> None:
         ("ADMISSION_MODELS_REFRESH_SECONDS", "-1"),
         ("EXTPROC_ADMIN_LISTEN", "9003"),
         ("EXTPROC_LOG_LEVEL", "LOUD"),
+        ("EXTPROC_LISTEN", "127.0.0.1:70000"),
+        ("EXTPROC_PROBE_LISTEN", "0.0.0.0:-1"),
+        ("ADMISSION_LEDGER", "etcd"),
     ],
 )
 def test_bad_values_name_the_variable_and_the_value(name: str, value: str) -> None:
