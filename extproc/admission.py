@@ -78,6 +78,7 @@ def gate_limits(settings: Settings, engine: EngineConfig) -> GateLimits:
         wait_estimates=settings.wait_estimates,
         generation_reservation=settings.generation_reservation,
         generation_factor=settings.generation_factor,
+        wait_prediction=settings.wait_prediction,
     )
 
 
@@ -86,6 +87,7 @@ class Admission:
                  ledger: Ledger | None = None) -> None:
         self._metrics = metrics
         self._clock = clock
+        self._prediction = settings.wait_prediction  # the metrics' `kind` label
         self._ledger: Ledger = ledger or LocalLedger({e.name: gate_limits(settings, e) for e in settings.engines})
         self._engines: dict[str, _Engine] = {}
         self._closing = False
@@ -151,8 +153,9 @@ class Admission:
             if ticket.id not in entry.waiters:
                 self._register(entry, ticket.id)
             self._metrics.parked.labels(engine, model).inc()
-            if decision.predicted_wait is not None:  # finite: a parked request's bound is within the cap
-                self._metrics.child(self._metrics.predicted_wait, engine).observe(decision.predicted_wait)
+            if decision.predicted_wait is not None:  # finite: a parked request's prediction is within the cap
+                self._metrics.child(self._metrics.predicted_wait, engine, self._prediction).observe(
+                    decision.predicted_wait)
             entry.recent.append(RecentDecision(now, model, Outcome.PARKED.value, tokens, 0.0, None))
         else:
             entry.parked.discard(ticket.id)
@@ -326,19 +329,28 @@ class Admission:
                 m.child(m.backfilled, engine, ticket.model).inc()
         else:
             m.child(m.rejected, engine, ticket.model, outcome.value).inc()
+        kind = self._prediction
         if (outcome is Outcome.EXPECTED_WAIT_TOO_LONG and decision.predicted_wait is not None
                 and math.isfinite(decision.predicted_wait)):  # infinite: the cache shrank below its cost
-            m.child(m.predicted_wait, engine).observe(decision.predicted_wait)
+            m.child(m.predicted_wait, engine, kind).observe(decision.predicted_wait)
         if outcome is Outcome.EXPECTED_WAIT_TOO_LONG and decision.predicted_wait is not None:
-            m.child(m.wait_bound_answers, engine).inc()
+            m.child(m.wait_bound_answers, engine, kind).inc()
+            log.info("wait prediction", extra={"engine": engine, "ticket": ticket.id, "kind": kind,
+                                               "outcome": outcome.value, "tokens": ticket.tokens,
+                                               "waited": round(max(0.0, now - ticket.arrived), 3),
+                                               "predicted_from_now": round(decision.predicted_wait, 3)})
         if parked:
             waited = max(0.0, now - ticket.arrived)
             m.child(m.park_duration, engine, outcome.value).observe(waited)
             if outcome is Outcome.ADMITTED_AFTER_PARK and ticket.predicted_wait is not None:
                 error = waited - ticket.predicted_wait
-                m.child(m.wait_prediction_error, engine).observe(error)
-                if error < 0:
+                m.child(m.wait_prediction_error, engine, kind).observe(error)
+                if error < 0 and kind == "bound":
                     m.child(m.wait_bound_violations, engine).inc()
+                log.info("wait prediction", extra={"engine": engine, "ticket": ticket.id, "kind": kind,
+                                                   "outcome": outcome.value, "tokens": ticket.tokens,
+                                                   "waited": round(waited, 3),
+                                                   "predicted": round(ticket.predicted_wait, 3)})
 
     def _bind_gauges(self, metrics: Metrics, engine: str) -> None:
         """The engine-labelled gauges read the gate when scraped, not on every event: an event costs

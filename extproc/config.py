@@ -122,6 +122,7 @@ class Settings:
     generation_reservation: str  # KV reserved for generation: the limit, or learned
     generation_factor: float  # with learned: this x the engine's mean generation
     estimate: EstimateSettings
+    wait_prediction: str  # with wait_estimates: bound (a lower bound) or expected (extproc/gate.py)
     model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -185,6 +186,7 @@ class Settings:
             "replica_id": self.replica_id,
             "generation_reservation": self.generation_reservation,
             "generation_factor": self.generation_factor,
+            "wait_prediction": self.wait_prediction,
             "engines": [
                 {
                     "name": e.name,
@@ -496,6 +498,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         estimate=_estimate_settings(env),
         generation_reservation=_choice(env, "ADMISSION_GENERATION_RESERVATION"),
         generation_factor=_float(env, "ADMISSION_GENERATION_FACTOR"),
+        wait_prediction=_choice(env, "ADMISSION_WAIT_PREDICTION"),
     )
 
 

@@ -131,6 +131,39 @@ request on each scrape, when the bound or the throughput behind it changes.
 - The completion-rate estimate above still turns an arrival away when position / rate exceeds
   the cap (it is an estimate, not a bound); the bound adds the early answers it can prove, and
   is the only rule that answers a request already parked.
+
+Expected waits (`wait_prediction="expected"`, an operator's choice; the default is the bound). The
+bound never turns away a request the engine could serve in time, and for that reason answers
+almost nothing early: the waits of long-prompt traffic are made of decode and of requests ahead,
+which a lower bound may not count. The expected wait counts them, and can be wrong both ways
+(bench/README.md, "Expected waits", measures what that costs). It runs the engine forward as a
+fluid model, `_FluidEngine`:
+- Jobs: our open requests, oldest admission first, each with its prompt (`tokens - generation`)
+  and its expected generation (the engine's recent mean per finished request, `generation_mean`,
+  at most its `max_tokens`; the limit until a mean is known). The first `max_inflight` run (the
+  engine's max-num-seqs); of those, the first with prompt left prefills at the peak measured KV
+  growth (the bound's throughput without its margin; one prefill at a time, in order), and the
+  others generate, each at the measured decode rate WITH a prefill beside them (one token per
+  long chunked-prefill step) or WITHOUT one.
+- The past: the open requests' progress is not reported per request, so the model runs them from
+  their admission times to now as if the engine had worked for them alone; one the model says
+  has already ended is taken to end now (the side of a shorter wait).
+- The future: parked requests join in FIFO order (requests ahead included: they are expected to
+  be admitted first) as soon as they `fit` the model's free KV (the budget's `available` now, plus
+  what the model's ended jobs release) and a slot (max in-flight + engine queue slots, from the
+  effective load now); the time at which a request joins is its expected wait. Backfill and the
+  KV threshold are left out (both only shorten waits or are covered by the budget); requests the
+  engine serves for others keep their KV and slots throughout.
+- Decode rates: in each busy interval the bound measures (no finish in it), the generation
+  counter's growth per decoding request-second; an interval whose KV grew by more than its
+  generation (beyond block rounding) had a prefill beside the decode (`running - 1` decoding),
+  else none did. Each rate is the mean of its last `RATE_INTERVALS` intervals; an unmeasured rate
+  without a prefill is taken as instant, and one with a prefill as the rate without (both the side
+  of a shorter wait).
+- A request whose expected wait runs past its park deadline is answered `expected_wait_too_long`
+  with Retry-After = the wait, on arrival and at each scrape for parked ones (head first; each
+  answer is taken out of the model before the next request is judged). Cold start (no prefill
+  rate measured yet): no prediction, no early answer.
 """
 
 from __future__ import annotations
@@ -179,6 +212,7 @@ class GateLimits:
     wait_estimates: bool  # Retry-After from the completion rate; early rejection
     generation_reservation: str  # "max_tokens", or "learned": factor x the engine's mean generation
     generation_factor: float
+    wait_prediction: str  # with wait_estimates: "bound" (a lower bound) or "expected" (module docstring)
 
 
 @dataclass(frozen=True)
@@ -286,6 +320,9 @@ class EngineGate:
         self._generation_mean: float | None = None  # smoothed mean generation of finished requests
         self._busy: deque[tuple[float, float]] = deque(maxlen=RATE_INTERVALS)  # (KV growth, seconds)
         self._peak_rate: float | None = None  # highest measured KV growth, tokens per second
+        # Generation while a prefill runs beside it, and without one: (tokens, decoding request-seconds).
+        self._decode_mixed: deque[tuple[float, float]] = deque(maxlen=RATE_INTERVALS)
+        self._decode_alone: deque[tuple[float, float]] = deque(maxlen=RATE_INTERVALS)
 
     # --- views ----------------------------------------------------------------------------
 
@@ -465,6 +502,74 @@ class EngineGate:
         measurement."""
         return None if self._peak_rate is None else RATE_MARGIN * self._peak_rate
 
+    def decode_rates(self) -> tuple[float | None, float | None]:
+        """Tokens per second one request generates while a prefill runs beside it, and while none
+        does, as measured (module docstring, "Expected waits"); None where not measured yet."""
+        return _rate(self._decode_mixed), _rate(self._decode_alone)
+
+    def expected_waits(self, now: float, extra: Ticket | None = None) -> dict[int, float] | None:
+        """Expected seconds from now until each parked ticket (and `extra`, as if parked last) is
+        admitted, by ticket id (module docstring, "Expected waits"); a ticket the simulation never
+        admits (others hold the KV it needs) is absent. None where there is no prediction."""
+        prefill = self._peak_rate
+        available = self.available_tokens()
+        load = self.effective_load()
+        if (not (self.limits.wait_estimates and self._budgeting) or prefill is None or available is None
+                or load is None):
+            return None
+        mixed, alone = self.decode_rates()
+        alone = math.inf if alone is None else alone  # unmeasured: the optimistic side, never a longer wait
+        mixed = alone if mixed is None else min(mixed, alone)
+        engine = _FluidEngine(self.limits.max_inflight, prefill, mixed, alone)
+        # The past: the open tickets' progress as if the engine had worked for them alone, in admission order.
+        opened = self.admitted()
+        overdue = 0  # tokens held by open tickets the model says have ended (taken to end now)
+        slots = self.limits.max_inflight + self.limits.engine_queue_slots - load
+        t = min((tk.admitted_at for tk in opened if tk.admitted_at is not None), default=now)
+        for i, tk in enumerate(opened):
+            engine.jobs.append(_Job(float(max(0, tk.tokens - tk.generation)), self._expected_generation(tk),
+                                    tk.reserved))
+            nxt = opened[i + 1].admitted_at if i + 1 < len(opened) else now
+            until = min(now, nxt if nxt is not None else now)
+            while t < until and engine.jobs:
+                t, ended = engine.run(t, until)
+                overdue += sum(j.reserved for j in ended)
+                slots += len(ended)
+            t = max(t, until)
+        # The future: parked tickets join in FIFO order as soon as they fit (`fits`: KV and slots).
+        free, t = available + overdue, now
+        waits: dict[int, float] = {}
+        queue = deque(self._queue)
+        if extra is not None:
+            queue.append(extra)
+        for _ in range(4 * (len(queue) + len(engine.jobs)) + 8):  # each turn admits or ends a job
+            while queue and slots > 0 and self.cost(queue[0]) <= free:
+                tk = queue.popleft()
+                waits[tk.id] = t - now
+                free -= self.cost(tk)
+                slots -= 1
+                engine.jobs.append(_Job(float(max(0, tk.tokens - tk.generation)), self._expected_generation(tk),
+                                        self.cost(tk)))
+            if not queue or not engine.jobs:
+                break
+            t, ended = engine.run(t, math.inf)
+            free += sum(j.reserved for j in ended)
+            slots += len(ended)
+        return waits
+
+    def _expected_generation(self, ticket: Ticket) -> float:
+        """Tokens the ticket is expected to generate: the engine's recent mean, at most its limit."""
+        mean = self._generation_mean
+        return float(ticket.generation if mean is None else min(ticket.generation, mean))
+
+    def predicted_wait(self, ticket: Ticket, now: float) -> float | None:
+        """The configured prediction for a request arriving now: the bound, or its expected wait
+        behind the parked ones (None: no prediction, or it would never be admitted)."""
+        if self.limits.wait_prediction == "expected":
+            waits = self.expected_waits(now, ticket)
+            return None if waits is None else waits.get(ticket.id)
+        return self.wait_bound(ticket, now)
+
     def wait_bound(self, ticket: Ticket, now: float) -> float | None:
         """Seconds before which `ticket` surely cannot be admitted (module docstring, "Waits from
         work"), or None where there is no bound (no budget, no measurement yet, estimates off)."""
@@ -489,7 +594,7 @@ class EngineGate:
         if len(self._queue) >= self.limits.max_queue_depth:
             ticket.state = TicketState.DONE
             return Decision(ticket, Outcome.QUEUE_FULL, self.retry_after(position))
-        bound = self.wait_bound(ticket, now)
+        bound = self.predicted_wait(ticket, now)
         if bound is not None and bound > self.limits.max_park_seconds:
             ticket.state = TicketState.DONE
             return Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, _clamp_retry_after(bound), bound)
@@ -534,6 +639,8 @@ class EngineGate:
                 ended_before is not None and ended_after is not None and ended_after < ended_before):
             self._busy.clear()  # another engine, or the engine restarted: measure again
             self._peak_rate = None
+            self._decode_mixed.clear()
+            self._decode_alone.clear()
             return
         span = after.scrape_started - before.scrape_started
         if self._failed_polls or span <= 0:
@@ -549,12 +656,58 @@ class EngineGate:
         if growth < 0:
             return  # KV released without a finish (a preemption, an abort)
         self._busy.append((growth, span))
+        self._measure_decode(before, after, growth, span)
         if len(self._busy) == RATE_INTERVALS:
             rate = sum(g for g, _ in self._busy) / sum(d for _, d in self._busy)
             if rate > 0 and (self._peak_rate is None or rate > self._peak_rate):
                 self._peak_rate = rate
 
+    def _measure_decode(self, before: EngineSnapshot, after: EngineSnapshot, growth: float, span: float) -> None:
+        """Fold a busy interval's generation into the decode rates (module docstring, "Expected waits")."""
+        gen_before, gen_after = before.generation_tokens_total, after.generation_tokens_total
+        if gen_before is None or gen_after is None or gen_after < gen_before:
+            return
+        generated = gen_after - gen_before
+        running = (before.running + after.running) / 2
+        mixed = growth - generated > self.block_size * max(1.0, running)  # more KV than the generation: a prefill
+        decoding = running - 1 if mixed else running
+        if decoding <= 0:
+            return
+        (self._decode_mixed if mixed else self._decode_alone).append((generated, decoding * span))
+
     def _reject_hopeless(self, now: float) -> list[Decision]:
+        if self.limits.wait_prediction == "expected":
+            return self._reject_expected(now)
+        return self._reject_by_bound(now)
+
+    def _reject_expected(self, now: float) -> list[Decision]:
+        """Answer, head first, every parked request expected to be admitted after its park deadline;
+        each answer is taken out before the next is judged (those behind it move up). The others
+        keep their first prediction (a wait from arrival, for the error metric)."""
+        rejected: list[Decision] = []
+        while self._queue:
+            waits = self.expected_waits(now)
+            if waits is None:
+                break
+            hopeless = None
+            for ticket in self._queue:
+                wait, deadline = waits.get(ticket.id), ticket.park_deadline
+                if wait is None or deadline is None or now >= deadline:
+                    continue  # no prediction, or its cap is over: the timer answers it
+                if now + wait > deadline:
+                    hopeless = ticket, wait
+                    break
+                if ticket.predicted_wait is None:
+                    ticket.predicted_wait = max(0.0, now - ticket.arrived) + wait
+            if hopeless is None:
+                break
+            ticket, wait = hopeless
+            self._queue.remove(ticket)
+            ticket.state = TicketState.DONE
+            rejected.append(Decision(ticket, Outcome.EXPECTED_WAIT_TOO_LONG, _clamp_retry_after(wait), wait))
+        return rejected
+
+    def _reject_by_bound(self, now: float) -> list[Decision]:
         """Answer every parked request whose wait bound runs past its park deadline; the others keep
         the first bound they get as their prediction (a wait from arrival, for the error metric)."""
         if not self._queue:
@@ -717,6 +870,8 @@ class EngineGate:
             "gm": self._generation_mean,
             "bi": [list(b) for b in self._busy],
             "pk": self._peak_rate,
+            "dm": [list(d) for d in self._decode_mixed],
+            "da": [list(d) for d in self._decode_alone],
         }
 
     @classmethod
@@ -735,6 +890,8 @@ class EngineGate:
         gate._generation_mean = state.get("gm")
         gate._busy = deque(((float(g), float(d)) for g, d in state.get("bi", ())), maxlen=RATE_INTERVALS)
         gate._peak_rate = state.get("pk")
+        gate._decode_mixed = deque(((float(g), float(d)) for g, d in state.get("dm", ())), maxlen=RATE_INTERVALS)
+        gate._decode_alone = deque(((float(g), float(d)) for g, d in state.get("da", ())), maxlen=RATE_INTERVALS)
         return gate
 
     # --- internals ------------------------------------------------------------------------
@@ -853,3 +1010,55 @@ def _cheapest(sums: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...
     if i >= len(released):
         return math.inf  # even all of them together do not release enough
     return work[i - 1] + (need - released[i - 1]) * per_token[i - 1]
+
+
+def _rate(window: deque[tuple[float, float]]) -> float | None:
+    """Tokens per request-second over a window of (tokens, request-seconds); None when empty."""
+    seconds = sum(d for _, d in window)
+    return sum(g for g, _ in window) / seconds if seconds > 0 else None
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request in the expected-wait simulation: its prompt and generation still to do."""
+
+    prompt: float
+    generation: float
+    reserved: int
+
+
+@dataclass
+class _FluidEngine:
+    """The engine as the expected wait sees it (module docstring, "Expected waits"): the first
+    `seqs` jobs run; the first of them with prompt left prefills at `prefill` tokens/s, one at a
+    time; the others generate at `mixed` tokens/s each while a prefill runs, `alone` otherwise."""
+
+    seqs: int
+    prefill: float
+    mixed: float
+    alone: float
+    jobs: list[_Job] = field(default_factory=list)
+
+    def run(self, t: float, until: float) -> tuple[float, list[_Job]]:
+        """Run from `t` to the next end of a job or `until`, whichever is first: the time reached and
+        the jobs that ended."""
+        running = self.jobs[:self.seqs]
+        prefilling = next((j for j in running if j.prompt > 0), None)
+        speed = self.mixed if prefilling is not None else self.alone
+        decoding = [j for j in running if j.prompt <= 0]
+        step = until - t
+        if prefilling is not None:
+            step = min(step, prefilling.prompt / self.prefill)
+        for j in decoding:
+            step = min(step, j.generation / speed)
+        if math.isinf(step):
+            return until, []
+        if prefilling is not None:
+            prefilling.prompt = max(0.0, prefilling.prompt - step * self.prefill)
+            if prefilling.prompt <= 1e-6:
+                prefilling.prompt = 0.0
+        for j in decoding:
+            j.generation = 0.0 if math.isinf(speed) else max(0.0, j.generation - step * speed)
+        ended = [j for j in running if j.prompt <= 0 and j.generation <= 1e-6]
+        self.jobs = [j for j in self.jobs if j not in ended]
+        return t + step, ended

@@ -57,14 +57,16 @@ class Metrics:
             ["engine", "outcome"], buckets=_PARK_BUCKETS, registry=r)
         self.predicted_wait = Histogram(
             "admission_predicted_wait_seconds",
-            "The gate's lower bound on a request's wait (KV budget: the least prompt work that frees room, over the "
-            "engine's peak throughput), per park or early rejection that had one.",
-            ["engine"], buckets=_PARK_BUCKETS, registry=r)
+            "The gate's prediction of a request's wait from the work ahead (KV budget), per park or early rejection "
+            "that had one: kind=bound, a lower bound (the least prompt work that frees room, over the engine's peak "
+            "throughput); kind=expected, the expected wait (ADMISSION_WAIT_PREDICTION).",
+            ["engine", "kind"], buckets=_PARK_BUCKETS, registry=r)
         self.wait_prediction_error = Histogram(
             "admission_wait_prediction_error_seconds",
-            "Actual wait minus the bound predicted when it parked, for parked requests then admitted "
-            "(>= 0 while the bound holds).",
-            ["engine"], buckets=_ERROR_BUCKETS, registry=r)
+            "Actual wait minus the wait predicted when it parked, for parked requests then admitted "
+            "(kind=bound: >= 0 while the bound holds; kind=expected: negative values land in le=\"0\", _sum keeps "
+            "the sign).",
+            ["engine", "kind"], buckets=_ERROR_BUCKETS, registry=r)
         self.throughput_bound = Gauge(
             "admission_engine_throughput_bound_tokens_per_second",
             "The throughput the wait bound assumes the engine never exceeds: its peak measured KV growth while busy, "
@@ -72,10 +74,10 @@ class Metrics:
             ["engine"], registry=r)
         self.wait_bound_answers = Counter(
             "admission_wait_bound_answers",
-            "Requests answered expected_wait_too_long because the wait bound proved they could not be admitted "
-            "within the park cap (on arrival, or while parked); the rest of that reason came from the completion-rate "
-            "estimate.",
-            ["engine"], registry=r)
+            "Requests answered expected_wait_too_long because the wait predicted from the work ahead (kind=bound: "
+            "the lower bound proved it; kind=expected: the expected wait) runs past the park cap (on arrival, or "
+            "while parked); the rest of that reason came from the completion-rate estimate.",
+            ["engine", "kind"], registry=r)
         self.wait_bound_violations = Counter(
             "admission_wait_bound_violations",
             "Parked requests admitted sooner than their predicted lower bound (the bound was wrong: the engine ran "
@@ -211,10 +213,10 @@ class Metrics:
                 self.poll_failures.labels(name, reason)
             for outcome in PARK_ENDINGS:
                 self.park_duration.labels(name, outcome.value)
-            self.predicted_wait.labels(name)
-            self.wait_prediction_error.labels(name)
+            self.predicted_wait.labels(name, settings.wait_prediction)
+            self.wait_prediction_error.labels(name, settings.wait_prediction)
             self.wait_bound_violations.labels(name)
-            self.wait_bound_answers.labels(name)
+            self.wait_bound_answers.labels(name, settings.wait_prediction)
             for model in engine.models:
                 for via in ADMITTED_VIA:
                     self.admitted.labels(name, model, via.value)

@@ -216,6 +216,10 @@ SETTINGS: tuple[Setting, ...] = (
             choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Setting("EXTPROC_LOG_FORMAT", "log line format", "json", chart="admission.logFormat", kind="choice",
             choices=("json", "text")),
+    Setting("ADMISSION_WAIT_PREDICTION",
+            "with wait estimates: bound = a lower bound on the wait (never turns away a request that could be "
+            "served), expected = the expected wait from the work ahead (answers sooner, can be wrong)",
+            "bound", chart="admission.waitPrediction", kind="choice", choices=("bound", "expected")),
 )
 
 BY_ENV = {s.env: s for s in SETTINGS}

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.admission import Admission
 from extproc.config import load_settings
-from extproc.gate import RATE_INTERVALS, RATE_MARGIN, EngineGate, EngineSnapshot, Ticket, TicketState
+from extproc.gate import RATE_INTERVALS, RATE_MARGIN, EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 
@@ -333,9 +333,10 @@ def test_no_request_is_admitted_sooner_than_its_bound(arrivals: list, rate: floa
 
 # --- what the operator sees ---------------------------------------------------------------------
 
-def _measured_admission(cap: float) -> tuple[Admission, CollectorRegistry, list[float], str]:
+def _measured_admission(cap: float, prediction: str = "bound") -> tuple[Admission, CollectorRegistry, list[float], str]:
     now = [0.0]
-    settings = load_settings({"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_PARK_SECONDS": f"{cap:g}"})
+    settings = load_settings({"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_PARK_SECONDS": f"{cap:g}",
+                              "ADMISSION_WAIT_PREDICTION": prediction})
     registry = CollectorRegistry()
     return Admission(settings, Metrics(registry), clock=lambda: now[0]), registry, now, settings.engines[0].name
 
@@ -369,10 +370,10 @@ def test_a_prediction_and_its_error_reach_the_metrics() -> None:
         await admission.finish(engine, first)
         assert (await waiter).outcome is Outcome.ADMITTED_AFTER_PARK
         await admission.stop()
-        assert value("admission_predicted_wait_seconds_count") == 1
-        assert value("admission_predicted_wait_seconds_sum") == parked.predicted_wait
-        assert value("admission_wait_prediction_error_seconds_count") == 1
-        assert math.isclose(value("admission_wait_prediction_error_seconds_sum"), 5.0)
+        assert value("admission_predicted_wait_seconds_count", kind="bound") == 1
+        assert value("admission_predicted_wait_seconds_sum", kind="bound") == parked.predicted_wait
+        assert value("admission_wait_prediction_error_seconds_count", kind="bound") == 1
+        assert math.isclose(value("admission_wait_prediction_error_seconds_sum", kind="bound"), 5.0)
         assert value("admission_wait_bound_violations_total") == 0
         assert value("admission_engine_throughput_bound_tokens_per_second") == RATE_MARGIN * 250.0  # 500 per 2 s
 
@@ -387,11 +388,11 @@ def test_an_early_answer_reaches_the_metrics_with_its_prediction() -> None:
         d = await admission.arrive(engine, "m", *_split(BIG))
         assert d.outcome is Outcome.EXPECTED_WAIT_TOO_LONG and d.predicted_wait is not None and d.predicted_wait > 20
         await admission.stop()
-        labels = {"engine": engine}
+        labels = {"engine": engine, "kind": "bound"}
         assert registry.get_sample_value("admission_predicted_wait_seconds_count", labels) == 1
         assert registry.get_sample_value("admission_predicted_wait_seconds_sum", labels) == d.predicted_wait
         assert registry.get_sample_value(
-            "admission_rejected_total", {**labels, "model": "m", "reason": "expected_wait_too_long"}) == 1
+            "admission_rejected_total", {"engine": engine, "model": "m", "reason": "expected_wait_too_long"}) == 1
         assert registry.get_sample_value("admission_wait_bound_answers_total", labels) == 1
 
     asyncio.run(scenario())
@@ -400,3 +401,148 @@ def test_an_early_answer_reaches_the_metrics_with_its_prediction() -> None:
 def _split(size: tuple[int, int]) -> tuple[int, int]:
     prompt, generation = size
     return prompt + generation, generation
+
+
+# --- expected waits (wait_prediction="expected") ---------------------------------------------------
+
+EXPECTED = replace(LIMITS, wait_prediction="expected", backfill=False, max_park_seconds=1000.0)
+PROMPT = 65_536.0  # BIG's prompt
+P, MIXED, ALONE = 500.0, 0.25, 15.0  # the rates `_expected_engine` measures
+
+
+def escrape(at: float, kv_tokens: float, generated: float, running: int = 2) -> EngineSnapshot:
+    return EngineSnapshot(running=running, waiting=0, kv_usage=kv_tokens / CAPACITY, scrape_started=at,
+                          capacity_tokens=CAPACITY, block_size=16, generation_tokens_total=generated,
+                          generated_sum=0.0, generated_count=0.0)
+
+
+def _expected_engine(limits: GateLimits = EXPECTED, alone_intervals: int = 2) -> tuple[EngineGate, float, float, float]:
+    """Two 65k prompts admitted at 0; 8 busy 2 s intervals with KV growing 500 tok/s and one of the two
+    running requests generating 0.25 tok/s beside the prefill (mixed), then `alone_intervals` in which
+    both generate 15 tok/s each and nothing prefills. Returns the gate, the time, KV and generation."""
+    gate = EngineGate(limits)
+    gate.observe(escrape(0.0, 0.0, 0.0, running=0), 0.0)
+    for _ in range(2):
+        assert gate.arrive(ticket(0.0, BIG), 0.0).outcome is Outcome.ADMITTED
+    t = kv = gen = 0.0
+    gate.observe(escrape(t, kv, gen), t)
+    for _ in range(RATE_INTERVALS):
+        t, kv, gen = t + 2, kv + 2 * P, gen + 2 * MIXED * 1  # running 2, one prefilling: one decodes
+        gate.observe(escrape(t, kv, gen), t)
+    for _ in range(alone_intervals):
+        t, kv, gen = t + 2, kv + 2 * 2 * ALONE, gen + 2 * 2 * ALONE
+        gate.observe(escrape(t, kv, gen), t)
+    return gate, t, kv, gen
+
+
+def test_the_decode_rates_are_measured_with_and_without_a_prefill_beside_them() -> None:
+    gate, *_ = _expected_engine()
+    assert gate.decode_rates() == (MIXED, ALONE)
+    assert math.isclose(gate.throughput_bound() or 0, RATE_MARGIN * P)  # the peak: the prefill intervals
+
+
+def test_the_expected_wait_counts_prefill_decode_and_the_requests_ahead() -> None:
+    gate, t, _, _ = _expected_engine()
+    # The model from admission (t=0): A prefills 65,536 tokens at 500 tok/s; then B prefills while A
+    # decodes at the mixed rate; then both decode alone until A's 256 tokens are done.
+    a_prefilled = PROMPT / P
+    b_prefilled = 2 * a_prefilled
+    a_left = 256 - MIXED * (b_prefilled - a_prefilled)
+    a_ends = b_prefilled + a_left / ALONE
+    c = gate.arrive(ticket(t, BIG), t)  # needs A's KV: parked until A ends
+    assert c.outcome is Outcome.PARKED
+    assert c.predicted_wait is not None and math.isclose(c.predicted_wait, a_ends - t)
+    assert c.ticket.predicted_wait == c.predicted_wait
+    # D needs B's KV too and comes after C (FIFO): C joins when A ends and prefills, so B's last
+    # tokens are generated at the mixed rate.
+    b_left = 256 - ALONE * (a_ends - b_prefilled)
+    b_ends = a_ends + b_left / MIXED
+    d = gate.arrive(ticket(t, BIG), t)
+    assert d.outcome is Outcome.PARKED
+    assert d.predicted_wait is not None and math.isclose(d.predicted_wait, b_ends - t)
+    # A small request fits the KV free now, but comes after D (FIFO, no backfill): it waits as long.
+    e = gate.arrive(ticket(t, SMALL), t)
+    waits = gate.expected_waits(t)
+    assert waits is not None and math.isclose(waits[e.ticket.id], b_ends - t)
+
+
+def test_the_expected_generation_is_the_engines_mean_when_it_is_known() -> None:
+    gate, t, kv, gen = _expected_engine()
+    # One request finishes at the engine (not ours) having generated 64 tokens: the mean is 64.
+    gate.observe(EngineSnapshot(running=2, waiting=0, kv_usage=kv / CAPACITY, scrape_started=t + 2,
+                                capacity_tokens=CAPACITY, block_size=16, generation_tokens_total=gen,
+                                generated_sum=64.0, generated_count=1.0), t + 2)
+    assert gate.generation_mean == 64.0
+    a_prefilled = PROMPT / P
+    a_left = 64 - MIXED * a_prefilled  # B's prefill takes as long as A's
+    a_ends = 2 * a_prefilled + a_left / ALONE
+    c = gate.arrive(ticket(t + 2, BIG), t + 2)
+    assert c.predicted_wait is not None and math.isclose(c.predicted_wait, a_ends - (t + 2))
+
+
+def test_an_arrival_expected_past_its_deadline_is_answered_at_once() -> None:
+    gate, t, _, _ = _expected_engine(replace(EXPECTED, max_park_seconds=200.0))
+    d = gate.arrive(ticket(t, BIG), t)
+    assert d.outcome is Outcome.EXPECTED_WAIT_TOO_LONG and d.predicted_wait is not None
+    assert d.predicted_wait > 200.0 and d.retry_after == 60  # clamped
+    assert gate.queue_depth == 0
+
+
+def test_cold_start_has_no_expected_wait_and_answers_nothing_early() -> None:
+    gate = EngineGate(replace(EXPECTED, max_park_seconds=1.0))
+    gate.observe(escrape(0.0, 0.0, 0.0, running=0), 0.0)
+    for _ in range(2):
+        gate.arrive(ticket(0.0, BIG), 0.0)
+    third = gate.arrive(ticket(0.0, BIG), 0.0)
+    assert third.outcome is Outcome.PARKED and third.predicted_wait is None
+    assert gate.expected_waits(0.0) is None
+    assert gate.observe(escrape(0.5, 100.0, 0.0), 0.5) == []  # one interval: no prefill rate yet
+
+
+def test_a_parked_request_is_answered_at_the_scrape_whose_measurement_pushes_it_past_its_deadline() -> None:
+    # Parked with no decode rate without a prefill measured (taken as instant): A and B end when B's
+    # prefill does, at 262 s. The first interval without a prefill measures 15 tok/s: A ends 15 s later,
+    # past C's deadline.
+    gate, t, kv, gen = _expected_engine(replace(EXPECTED, max_park_seconds=255.0), alone_intervals=0)
+    assert gate.decode_rates() == (MIXED, None)
+    c = gate.arrive(ticket(t, BIG), t)
+    assert c.outcome is Outcome.PARKED and c.predicted_wait is not None
+    assert math.isclose(c.predicted_wait, 2 * PROMPT / P - t)
+    decisions = gate.observe(escrape(t + 2, kv + 4 * ALONE, gen + 4 * ALONE), t + 2)
+    assert [d.outcome for d in decisions] == [Outcome.EXPECTED_WAIT_TOO_LONG]
+    a_ends = 2 * PROMPT / P + (256 - MIXED * PROMPT / P) / ALONE
+    assert decisions[0].ticket is c.ticket and decisions[0].predicted_wait is not None
+    assert math.isclose(decisions[0].predicted_wait, a_ends - (t + 2))
+    assert gate.queue_depth == 0
+
+
+def test_bound_mode_ignores_the_expected_wait() -> None:
+    gate, t, _, _ = _expected_engine(replace(EXPECTED, wait_prediction="bound", max_park_seconds=200.0))
+    d = gate.arrive(ticket(t, BIG), t)  # expected ~257 s, but the bound is far below the cap
+    assert d.outcome is Outcome.PARKED and d.predicted_wait == gate.wait_bound(d.ticket, t)
+
+
+def test_the_expected_wait_state_survives_serialisation() -> None:
+    gate, t, _, _ = _expected_engine()
+    parked = gate.arrive(ticket(t, BIG), t).ticket
+    rebuilt = EngineGate.from_state(gate.limits, json.loads(json.dumps(gate.to_state())))
+    assert rebuilt.to_state() == gate.to_state()
+    assert rebuilt.decode_rates() == gate.decode_rates()
+    assert rebuilt.expected_waits(t + 5) == gate.expected_waits(t + 5)
+    assert rebuilt.queued()[0].predicted_wait == parked.predicted_wait is not None
+
+
+def test_an_expected_wait_reaches_the_metrics_under_its_kind() -> None:
+    admission, registry, now, engine = _measured_admission(cap=20.0, prediction="expected")
+
+    async def scenario() -> None:
+        await _two_big_then_measured(admission, now, engine)
+        d = await admission.arrive(engine, "m", *_split(BIG))
+        assert d.outcome is Outcome.EXPECTED_WAIT_TOO_LONG and d.predicted_wait is not None
+        await admission.stop()
+        labels = {"engine": engine, "kind": "expected"}
+        assert registry.get_sample_value("admission_predicted_wait_seconds_sum", labels) == d.predicted_wait
+        assert registry.get_sample_value("admission_wait_bound_answers_total", labels) == 1
+        assert registry.get_sample_value("admission_predicted_wait_seconds_count", {**labels, "kind": "bound"}) is None
+
+    asyncio.run(scenario())

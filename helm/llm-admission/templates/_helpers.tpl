@@ -422,6 +422,8 @@ env:
   value: {{ int64 $a.engineQueueSlots | quote }}
 - name: ADMISSION_WAIT_ESTIMATES
   value: {{ $a.waitEstimates | toString | quote }}
+- name: ADMISSION_WAIT_PREDICTION
+  value: {{ $a.waitPrediction | quote }}
 - name: ADMISSION_GENERATION_RESERVATION
   value: {{ $a.generationReservation | quote }}
 - name: ADMISSION_GENERATION_FACTOR
