@@ -33,6 +33,8 @@ from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common, dashboard as model
 
+from extproc.outcomes import CAPACITY_REASONS_REGEX
+
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "llm-admission.json"
 RULES = ROOT / "alerts" / "llm-admission.rules.yml"
@@ -63,7 +65,7 @@ ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
 # (at 1) for an engine that has rejected everything and admitted nothing yet. The alert
 # LLMAdmissionHighRejectionRatio uses the same expression.
 REJECTION_RATIO = (
-    f'sum by (engine) (rate(admission_rejected_total{{reason=~"queue_full|park_timeout|expected_wait_too_long",'
+    f'sum by (engine) (rate(admission_rejected_total{{reason=~"{CAPACITY_REASONS_REGEX}",'
     f"{GW}}}[{RATE}]))\n"
     f"/\n"
     f"(sum by (engine) (rate(admission_rejected_total{{{GW}}}[{RATE}]))\n"

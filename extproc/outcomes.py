@@ -122,6 +122,12 @@ ENVOY_REJECTIONS: dict[Outcome, Rejection] = {
 #: Outcomes counted in `admission_rejected_total{reason}`.
 REJECTED_REASONS: tuple[Outcome, ...] = (*REJECTIONS, Outcome.CLIENT_GONE)
 
+#: The rejections that mean "the engine is full": what the dashboard's rejection ratio and the alert
+#: LLMAdmissionHighRejectionRatio count (a client's bad request or a shutdown is not capacity).
+CAPACITY_REJECTIONS: tuple[Outcome, ...] = (Outcome.QUEUE_FULL, Outcome.PARK_TIMEOUT, Outcome.EXPECTED_WAIT_TOO_LONG)
+#: The same as a PromQL regex over the `reason` label.
+CAPACITY_REASONS_REGEX = "|".join(o.value for o in CAPACITY_REJECTIONS)
+
 
 def rejection_message(outcome: Outcome, **fields: object) -> str:
     """The client-facing message for a rejecting outcome of the service, its template filled in."""

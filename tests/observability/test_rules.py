@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from extproc.outcomes import CAPACITY_REASONS_REGEX, REJECTED_REASONS
+
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "llm-admission.rules.yml"
 RULE_TESTS = Path(__file__).with_name("llm-admission.rules.test.yml")
@@ -119,3 +121,11 @@ def test_every_selector_of_the_gateways_own_series_names_its_job() -> None:
             assert 'job="llm-admission"' in matchers, f"{rule['alert']}: {name}{matchers}"
         for matchers in re.findall(r"container_cpu_cfs_[a-z_]+(\{[^}]*\})", rule["expr"]):
             assert 'container=~"envoy|admission"' in matchers, rule["alert"]
+
+
+def test_capacity_rejections_are_the_outcome_tables_own() -> None:
+    """The rejection-ratio alert counts exactly the outcomes the service calls capacity rejections
+    (the dashboard's panel is generated from the same constant), and each is a real reason label."""
+    (rule,) = [a for a in alerts() if a["alert"] == "LLMAdmissionHighRejectionRatio"]
+    assert re.findall(r'reason=~"([^"]*)"', rule["expr"]) == [CAPACITY_REASONS_REGEX]
+    assert set(CAPACITY_REASONS_REGEX.split("|")) <= {o.value for o in REJECTED_REASONS}
