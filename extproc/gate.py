@@ -157,9 +157,10 @@ fluid model, `_FluidEngine`:
 - Decode rates: in each busy interval the bound measures (no finish in it), the generation
   counter's growth per decoding request-second; an interval whose KV grew by more than its
   generation (beyond block rounding) had a prefill beside the decode (`running - 1` decoding),
-  else none did. Each rate is the mean of its last `RATE_INTERVALS` intervals; an unmeasured rate
-  without a prefill is taken as instant, and one with a prefill as the rate without (both the side
-  of a shorter wait).
+  else none did; one in which nothing was generated is not measured (the running requests were
+  all prefilling or waiting for a prefill, which says nothing about decode). Each rate is the
+  mean of its last `RATE_INTERVALS` intervals; an unmeasured rate without a prefill is taken as
+  instant, and one with a prefill as the rate without (both the side of a shorter wait).
 - A request whose expected wait runs past its park deadline is answered `expected_wait_too_long`
   with Retry-After = the wait, on arrival and at each scrape for parked ones (head first; each
   answer is taken out of the model before the next request is judged). Cold start (no prefill
@@ -668,6 +669,8 @@ class EngineGate:
         if gen_before is None or gen_after is None or gen_after < gen_before:
             return
         generated = gen_after - gen_before
+        if generated <= 0:
+            return  # nothing decoded: the running requests were all prefilling or waiting for it
         running = (before.running + after.running) / 2
         mixed = growth - generated > self.block_size * max(1.0, running)  # more KV than the generation: a prefill
         decoding = running - 1 if mixed else running

@@ -441,6 +441,17 @@ def test_the_decode_rates_are_measured_with_and_without_a_prefill_beside_them() 
     assert math.isclose(gate.throughput_bound() or 0, RATE_MARGIN * P)  # the peak: the prefill intervals
 
 
+def test_intervals_in_which_nothing_was_generated_measure_no_decode_rate() -> None:
+    gate = EngineGate(EXPECTED)
+    t = kv = 0.0
+    gate.observe(escrape(t, kv, 0.0), t)
+    for _ in range(2 * RATE_INTERVALS):  # four requests running, all waiting for the prefill
+        t, kv = t + 2, kv + 2 * P
+        gate.observe(escrape(t, kv, 0.0, running=4), t)
+    assert gate.decode_rates() == (None, None)
+    assert gate.throughput_bound() is not None
+
+
 def test_the_expected_wait_counts_prefill_decode_and_the_requests_ahead() -> None:
     gate, t, _, _ = _expected_engine()
     # The model from admission (t=0): A prefills 65,536 tokens at 500 tok/s; then B prefills while A
