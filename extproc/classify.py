@@ -6,7 +6,9 @@ point where the stream has learnt something new:
 
 1. `classify_headers` (the `request_headers` message): an ungated path passes (`Passed`); an
    encoded spelling of a gated path, a declared length over the cap or a gated POST without a
-   body is rejected (`Rejected`); otherwise the request is `Gated` and its body is read.
+   body is rejected (`Rejected`); otherwise the request is `Gated` and its body is read. On a
+   one-message route (no headers phase) `classify_route` makes it `Gated` from the path the route
+   names: Envoy's route has already checked the method and that a body is declared.
 2. `classify_body` (the `request_body` message): a body over the cap (or a prefix of one, sent
    with `end_of_stream=false`) and a body the endpoint's parser refuses are rejected; with no
    model configured the request passes; otherwise the body's `BodyFacts` (model, stream, sizes,
@@ -86,6 +88,12 @@ def classify_headers(headers: Mapping[str, str], end_of_stream: bool, rules: Pat
     if end_of_stream:
         return _reject(Outcome.INVALID_BODY, detail="request body is required")
     return Gated(path, endpoint, headers.get("content-type", ""))
+
+
+def classify_route(path: str) -> Gated:
+    """A one-message route's verdict (no headers seen): Envoy's route matched the gated `path`, a
+    POST declaring a body, and enforces the body cap itself; the body is read."""
+    return Gated(path, endpoint_for(path), "")  # multipart endpoints never get a one-message route
 
 
 def classify_body(gated: Gated, body: bytes, end_of_stream: bool, settings: Settings) -> BodyFacts | Passed | Rejected:

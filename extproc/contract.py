@@ -29,3 +29,13 @@ MAX_PARK_SECONDS = MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS - 2 * PARK_TIMEOUT_MARGI
 #: The request headers the service reads (the path, method and body headers it classifies by, the
 #: request id for its logs); Envoy's ext_proc `forward_rules` sends it only these.
 READ_REQUEST_HEADERS = (":method", ":path", "content-length", "content-type", "x-request-id")
+#: One-message routes (one engine): for a POST to a gated JSON path that declares a body
+#: (`content-length` matching DECLARED_BODY_REGEX), Envoy skips the request headers phase and sends
+#: the whole body as the stream's only message. The route names its gated path in this gRPC
+#: metadata key, and the request id comes as this ext_proc request attribute.
+ENDPOINT_METADATA = "x-admission-endpoint"
+REQUEST_ID_ATTRIBUTE = "request.id"
+#: The namespace of the attributes Envoy's ext_proc filter sends.
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+#: A declared body of at least one byte (RE2, the whole `content-length` value).
+DECLARED_BODY_REGEX = "[1-9][0-9]*"

@@ -4,6 +4,14 @@ Protocol rules this module relies on (Envoy 1.40, DESIGN.md):
 - One bidirectional stream per HTTP request. Envoy sends `request_headers`, then (body mode
   BUFFERED_PARTIAL) one `request_body` holding the whole body, or only its first
   `per_connection_buffer_limit_bytes` with `end_of_stream=false` when it is larger.
+- On a one-message route (one engine, a POST to a gated JSON path declaring a body: envoyconf)
+  Envoy skips the headers phase: the stream's gRPC metadata names the gated path
+  (`ENDPOINT_METADATA`), its only request message is `request_body` with the whole body (body
+  mode BUFFERED: Envoy answers 413 itself past the cap) and the request id as an attribute. The
+  buffer filter after ext_proc holds the request's headers until the body is answered, so nothing
+  reaches the engine before the decision. A header mutation in that answer is ignored (Envoy has
+  no headers to apply it to), which is why only one engine gets these routes: the route header
+  selects among several.
 - Each message must be answered within `message_timeout`, unless the answer is preceded by one
   `override_message_timeout` (<= `max_message_timeout`); that is how a request is parked. Only
   the first override counts, so a parked request gets exactly one, sized above the park cap.
@@ -39,9 +47,17 @@ import grpc
 from google.protobuf import duration_pb2
 
 from .admission import Admission
-from .classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, route
+from .classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, classify_route, route
 from .config import EngineConfig, Settings
-from .contract import OUTCOME_HEADER, PARK_TIMEOUT_MARGIN_SECONDS, READ_REQUEST_HEADERS, ROUTE_HEADER
+from .contract import (
+    ENDPOINT_METADATA,
+    EXT_PROC_ATTRIBUTES,
+    OUTCOME_HEADER,
+    PARK_TIMEOUT_MARGIN_SECONDS,
+    READ_REQUEST_HEADERS,
+    REQUEST_ID_ATTRIBUTE,
+    ROUTE_HEADER,
+)
 from .endpoints import PathRules
 from .estimate import CostEstimate
 from .gate import Decision, Ticket
@@ -64,7 +80,7 @@ Write = Callable[[pb.ProcessingResponse], Awaitable[None]]
 
 
 class Phase(enum.Enum):
-    HEADERS = "headers"  # nothing seen yet: `request_headers` expected
+    HEADERS = "headers"  # nothing seen yet: `request_headers` expected (or `request_body` on a one-message route)
     BODY = "body"  # a gated request's headers answered: `request_body` expected
     PARKED = "parked"  # the park answer sent: waiting for the gate's decision or the stream's end
     OPEN = "open"  # answered: CONTINUE to anything else until the HTTP stream ends
@@ -76,7 +92,8 @@ class _Stream:
     """What one ext_proc stream (one HTTP request) has accumulated; never the body itself."""
 
     request_id: str = "-"
-    target: str = ""  # `:path` as sent, query included
+    target: str = ""  # `:path` as sent, query included (on a one-message route: the gated path it names)
+    route_path: str | None = None  # the gated path a one-message route names (no headers phase)
     phase: Phase = Phase.HEADERS
     gated: Gated | None = None  # until the body is read
     routed: Routed | None = None  # engine, endpoint and body facts of a request that reached the gate
@@ -112,8 +129,8 @@ class Conversation:
 
     __slots__ = ("stream", "_shared", "_write")
 
-    def __init__(self, shared: _Shared, write: Write) -> None:
-        self.stream = _Stream()
+    def __init__(self, shared: _Shared, write: Write, route_path: str | None = None) -> None:
+        self.stream = _Stream(route_path=route_path)
         self._shared = shared
         self._write = write
 
@@ -127,6 +144,11 @@ class Conversation:
             await self._write(_continue_for(message))
         elif phase is Phase.HEADERS and message.HasField("request_headers"):
             await self._on_headers(message.request_headers)
+        elif phase is Phase.HEADERS and self.stream.route_path is not None and message.HasField("request_body"):
+            self._on_route(message)
+            step = await self._on_body(message.request_body)
+            del message  # as below
+            await self._answer(step)
         elif phase is Phase.BODY and message.HasField("request_body"):
             step = await self._on_body(message.request_body)
             del message  # decided: a parked or admitted request must not keep its body (up to MAX_BODY_BYTES)
@@ -183,6 +205,16 @@ class Conversation:
             await self._write(_SKIP_BODY)
         else:
             await self._reject(verdict.outcome, verdict.message)
+
+    def _on_route(self, message: pb.ProcessingRequest) -> None:
+        """A one-message route's body arrived first: the request is gated on the path the route names."""
+        s = self.stream
+        assert s.route_path is not None
+        attributes = message.attributes.get(EXT_PROC_ATTRIBUTES)
+        if attributes is not None and REQUEST_ID_ATTRIBUTE in attributes.fields:
+            s.request_id = attributes.fields[REQUEST_ID_ATTRIBUTE].string_value or "-"
+        s.target = s.route_path
+        s.gated = classify_route(s.route_path)
 
     async def _on_body(self, body: pb.HttpBody) -> Passed | Rejected | Decision:
         """Classify the body, route it, estimate its cost and ask the gate: the step to answer."""
@@ -304,15 +336,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Release what the servicer holds beyond its streams (the estimator's connections)."""
         await self.estimator.aclose()
 
-    def conversation(self, write: Write) -> Conversation:
-        """A new stream's conversation, answering through `write`."""
-        return Conversation(self._shared, write)
+    def conversation(self, write: Write, route_path: str | None = None) -> Conversation:
+        """A new stream's conversation, answering through `write` (`route_path`: a one-message route's)."""
+        return Conversation(self._shared, write, route_path)
 
     async def Process(  # noqa: N802
         self, request_iterator: object,
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> None:
-        conversation = Conversation(self._shared, context.write)
+        conversation = Conversation(self._shared, context.write, _route_path(context))
         stream = conversation.stream
         reading: asyncio.Future[pb.ProcessingRequest] | None = None  # a read started while parked, not collected
         try:
@@ -344,6 +376,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 reading.cancel()
                 await asyncio.gather(reading, return_exceptions=True)
             await conversation.close()
+
+
+def _route_path(context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse]) -> str | None:
+    """The gated path a one-message route names in the stream's gRPC metadata; None on other routes."""
+    for key, value in context.invocation_metadata() or ():
+        if key == ENDPOINT_METADATA:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return None
 
 
 def _gate_message(decision: Decision, engine: EngineConfig, cost: CostEstimate, admission: Admission) -> str:

@@ -154,6 +154,22 @@ def test_body_framing_tricks_against_a_closed_gate_never_reach_the_engine(make_s
     assert stack.arrivals() == []
 
 
+def test_a_post_declaring_its_body_is_one_message_to_the_service_and_still_gated(make_stack) -> None:  # noqa: ANN001
+    stack = closed_stack(make_stack)
+
+    def messages() -> int:
+        return stack.envoy_stat(r"^http\.inference\.ext_proc\.stream_msgs_sent$")
+
+    before = messages()
+    assert raw(stack, "POST /v1/chat/completions HTTP/1.1", BODY).headers.get("x-admission-outcome") == "queue_full"
+    assert messages() - before == 1  # the body alone: the route names the endpoint
+    before = messages()
+    chunked = FRAMINGS[0][1]
+    assert _exchange(stack, chunked).headers.get("x-admission-outcome") == "queue_full"
+    assert messages() - before == 2  # no declared length: headers, then the body
+    assert upstream_requests(stack) == 0 and stack.arrivals() == []
+
+
 def _multipart(fields: list[tuple[str, bytes, str | None]]) -> tuple[bytes, str]:
     boundary = uuid.uuid4().hex
     out = b""

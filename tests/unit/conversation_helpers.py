@@ -1,6 +1,7 @@
 """Envoy's side of an ext_proc stream, in process: canned messages in, the servicer's answers out.
 
-`CannedStream` stands in for grpc.aio's servicer context (`read` / `write`), the way httpcore's
+`CannedStream` stands in for grpc.aio's servicer context (`read` / `write`, the stream's gRPC
+metadata), the way httpcore's
 tests feed canned bytes to its connection: the service's own objects (settings, admission, gate,
 metrics, servicer) are real. Messages can be queued up front or sent one at a time and answered
 (`exchange`); the stream can end (`end`, or the `ended` event) or break (`reset`).
@@ -14,10 +15,12 @@ import json
 from collections.abc import Callable, Mapping
 
 import grpc
+from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from extproc.admission import Admission
 from extproc.config import load_settings
+from extproc.contract import ENDPOINT_METADATA, EXT_PROC_ATTRIBUTES, REQUEST_ID_ATTRIBUTE
 from extproc.gate import EngineSnapshot
 from extproc.metrics import Metrics
 from extproc.servicer import ExternalProcessor
@@ -47,6 +50,19 @@ def chat_headers(body: bytes, path: str = "/v1/chat/completions", request_id: st
                             ("content-length", str(len(body))), ("x-request-id", request_id)])
 
 
+def route_body_message(body: bytes, request_id: str = "r-1") -> pb.ProcessingRequest:
+    """A one-message route's only message: the whole body, the request id as Envoy's attribute."""
+    attributes = struct_pb2.Struct()
+    attributes.update({REQUEST_ID_ATTRIBUTE: request_id})
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True),
+                                attributes={EXT_PROC_ATTRIBUTES: attributes})
+
+
+def route_metadata(path: str = "/v1/chat/completions") -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata of a one-message route's stream: the gated path it names."""
+    return ((ENDPOINT_METADATA, path),)
+
+
 def chat_request(model: str = "m") -> list[pb.ProcessingRequest]:
     """A chat completion's two request-phase messages: headers, then the whole body."""
     body = chat_body(model)
@@ -57,8 +73,10 @@ class CannedStream:
     """Envoy's side of one ext_proc stream: canned messages in, answers recorded, a hook per answer."""
 
     def __init__(self, messages: list[pb.ProcessingRequest] | None = None,
-                 on_write: Callable[[pb.ProcessingResponse], object] | None = None) -> None:
+                 on_write: Callable[[pb.ProcessingResponse], object] | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self._messages = list(messages or ())
+        self._metadata = metadata
         self._on_write = on_write
         self._error: BaseException | None = None
         self._arrived = asyncio.Event()
@@ -66,6 +84,10 @@ class CannedStream:
         self.written: list[pb.ProcessingResponse] = []
         self.reads = 0  # reads the servicer started
         self.ended = asyncio.Event()  # the HTTP stream is over: further reads see EOF
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The stream's gRPC metadata (a one-message route names its gated path there)."""
+        return self._metadata
 
     async def read(self) -> object:
         self.reads += 1

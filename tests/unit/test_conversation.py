@@ -24,7 +24,17 @@ from extproc.outcomes import Outcome
 from extproc.servicer import ExternalProcessor
 from extproc.wire import base_pb2, http_status_pb2, pb, processing_mode_pb2
 
-from .conversation_helpers import ENV, CannedStream, body_message, chat_body, chat_headers, headers_message, start_stack
+from .conversation_helpers import (
+    ENV,
+    CannedStream,
+    body_message,
+    chat_body,
+    chat_headers,
+    headers_message,
+    route_body_message,
+    route_metadata,
+    start_stack,
+)
 
 PARK_ENV = {**ENV, "ADMISSION_MAX_PARK_SECONDS": "30", "VLLM_MAX_QUEUE_DEPTH": "1"}
 
@@ -438,6 +448,128 @@ def test_a_body_that_cannot_be_admitted_is_answered_with_its_status(
         assert _idle(admission) and admission.recent("default") == ()
 
     _run(scenario, {**ENV, "ADMISSION_MODELS_REFRESH_SECONDS": "0"})
+
+
+# --- one-message routes (the headers phase skipped) ----------------------------------------------
+
+
+def test_a_one_message_request_is_admitted_on_its_body_alone_then_freed_when_its_stream_ends() -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        assert await stream.exchange(route_body_message(chat_body(), request_id="one-1")) == admitted()
+        assert (admission.gate("default").inflight, admission.inflight) == (1, 1)
+        assert await stream.exchange(pb.ProcessingRequest(response_headers=pb.HttpHeaders())) == \
+            pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        stream.end()
+        await asyncio.wait_for(task, 5)
+        assert _idle(admission) and stream.unanswered() == 0
+        assert _counted(metrics, "admission_admitted_total", "via", "admitted") == 1
+        assert _sample(metrics, "admission_decision_latency_seconds_count", engine="default", outcome="admitted") == 1
+
+    _run(scenario)
+
+
+def test_a_one_message_request_parks_and_is_admitted_when_a_slot_frees() -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        holder = await admission.arrive("default", "m")
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        assert await stream.exchange(route_body_message(chat_body())) == PARK_35S
+        assert admission.gate("default").queue_depth == 1
+        await admission.finish("default", holder.ticket)
+        assert await stream.answer() == admitted()
+        stream.end()
+        await asyncio.wait_for(task, 5)
+        assert _idle(admission) and stream.unanswered() == 0
+        assert _counted(metrics, "admission_admitted_total", "via", "admitted_after_park") == 1
+
+    _run(scenario, PARK_ENV)
+
+
+def test_a_one_message_request_that_leaves_while_parked_leaves_the_queue_as_client_gone() -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        holder = await admission.arrive("default", "m")
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        assert await stream.exchange(route_body_message(chat_body())) == PARK_35S
+        stream.end()
+        await asyncio.wait_for(task, 5)
+        assert admission.gate("default").queue_depth == 0 and stream.unanswered() == 0
+        await admission.finish("default", holder.ticket)
+        assert _idle(admission)
+
+    _run(scenario, PARK_ENV)
+
+
+def test_a_one_message_request_on_a_full_queue_is_answered_503_and_the_stream_ends() -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        holder = await admission.arrive("default", "m")
+        parked = await admission.arrive("default", "m")
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        assert await stream.exchange(route_body_message(chat_body())) == rejected(
+            503, "queue_full", "service_unavailable",
+            "engine `default` is at capacity and its queue is full; retry later", retry_after="5")
+        await asyncio.wait_for(task, 5)
+        assert _counted(metrics, "admission_rejected_total", "reason", "queue_full") == 1
+        await admission.finish("default", holder.ticket)
+        await admission.finish("default", parked.ticket)
+        assert _idle(admission)
+
+    _run(scenario, PARK_ENV)
+
+
+@pytest.mark.parametrize(("body", "status", "outcome"), [
+    (b"", 400, "invalid_body"),
+    (b"{not json", 400, "invalid_body"),
+    (chat_body("nobody-serves-this"), 404, "unknown_model"),
+    (b'{"messages": []}', 400, "missing_model"),
+])
+def test_a_one_message_body_that_cannot_be_admitted_is_answered_with_its_status(body: bytes, status: int,
+                                                                                outcome: str) -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        answer = await stream.exchange(route_body_message(body))
+        assert answer.immediate_response.status.code == status
+        assert json.loads(answer.immediate_response.body)["error"]["code"] == outcome
+        await asyncio.wait_for(task, 5)
+        assert _idle(admission) and admission.recent("default") == ()
+
+    _run(scenario, {**ENV, "ADMISSION_MODELS_REFRESH_SECONDS": "0"})
+
+
+def test_a_one_message_route_reads_the_endpoint_it_names_and_the_request_id_attribute() -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        written: list[pb.ProcessingResponse] = []
+
+        async def write(response: pb.ProcessingResponse) -> None:
+            written.append(response)
+
+        conversation = servicer.conversation(write, "/v1/completions")
+        await conversation.receive(route_body_message(b'{"model": "m", "prompt": "hi", "max_tokens": 2}', "req-9"))
+        assert repr(conversation.stream).startswith("<Stream req-9 /v1/completions open engine=default ")
+        routed = conversation.stream.routed
+        assert routed is not None and routed.endpoint.path == "/v1/completions" and routed.facts.prompt_bytes == 2
+        await conversation.close()
+        assert written == [admitted()] and _idle(admission)
+
+    _run(scenario)
+
+
+def test_a_one_message_stream_that_starts_with_headers_is_a_two_message_conversation() -> None:
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        body = chat_body()
+        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(body_message(body)) == admitted()
+        stream.end()
+        await asyncio.wait_for(task, 5)
+        assert _idle(admission)
+
+    _run(scenario)
 
 
 # --- out of order --------------------------------------------------------------------------------

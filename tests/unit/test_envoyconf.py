@@ -69,6 +69,58 @@ def test_envoy_sends_the_service_only_the_request_headers_it_reads() -> None:
     assert {":path", ":method", "content-length", "content-type", "x-request-id"} <= _READ_HEADERS
 
 
+def _one_message_routes(doc: dict) -> list[dict]:
+    routes = _hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
+    return [r for r in routes if "typed_per_filter_config" in r]
+
+
+def test_with_one_engine_a_post_declaring_a_body_to_a_json_endpoint_is_one_message() -> None:
+    from extproc.contract import ENDPOINT_METADATA
+
+    settings = load_settings({**LOCAL_ENV, "MAX_BODY_BYTES": "4096"})
+    doc = build_envoy_config(settings)
+    routes = _hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
+    one = _one_message_routes(doc)
+    json_paths = [p for p in settings.gated_paths if not p.startswith("/v1/audio/")]
+    assert [r["match"]["path"] for r in one] == json_paths and routes[:len(one)] == one  # before the others
+    for route in one:
+        (method, length) = route["match"]["headers"]
+        assert method == {"name": ":method", "string_match": {"exact": "POST"}}
+        regex = length["string_match"]["safe_regex"]["regex"]
+        assert [bool(re.fullmatch(regex, v)) for v in ("1", "65536", "0", "", "00", "-1", "1 ")] == [
+            True, True, False, False, False, False, False]
+        assert route["route"] == {"cluster": "engine_default", "timeout": "0s"}
+        overrides = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+        assert overrides["processing_mode"]["request_header_mode"] == "SKIP"
+        assert overrides["processing_mode"]["request_body_mode"] == "BUFFERED"
+        assert overrides["grpc_initial_metadata"] == [{"key": ENDPOINT_METADATA, "value": route["match"]["path"]}]
+        buffer = route["typed_per_filter_config"]["envoy.filters.http.buffer"]
+        assert buffer["buffer"] == {"max_request_bytes": 4096}
+    # The buffer filter, off elsewhere, sits after ext_proc: it holds the headers until the body is answered.
+    names = [f["name"] for f in _hcm(doc)["http_filters"]]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer", "envoy.filters.http.router"]
+    assert _hcm(doc)["http_filters"][1]["disabled"] is True
+    assert _ext_proc(doc)["request_attributes"] == ["request.id"]
+
+
+def test_several_engines_no_ext_proc_or_nothing_gated_keep_two_messages(tmp_path: Path) -> None:
+    engines = tmp_path / "engines.yaml"
+    engines.write_text("engines:\n  - {name: a, url: 'http://127.0.0.1:8000', models: [qwen]}\n"
+                       "  - {name: b, url: 'http://127.0.0.1:8001', models: [llama]}\n")
+    for doc in (build_envoy_config(load_settings({"EXTPROC_CONFIG": str(engines)})),
+                build_envoy_config(load_settings(LOCAL_ENV), ext_proc=False),
+                build_envoy_config(load_settings({"ADMISSION_OBSERVE_MODELS": ""}))):
+        assert _one_message_routes(doc) == []
+        assert "envoy.filters.http.buffer" not in [f["name"] for f in _hcm(doc)["http_filters"]]
+
+
+def test_envoys_own_413_names_the_limit() -> None:
+    mappers = _hcm(build_envoy_config(load_settings({**LOCAL_ENV, "MAX_BODY_BYTES": "4096"})))["local_reply_config"]
+    (too_large,) = [m for m in mappers["mappers"] if m.get("status_code") == 413]
+    assert too_large["body_format_override"]["json_format"]["error"]["message"].startswith(
+        "request body exceeds the limit of 4096 bytes")
+
+
 def test_ext_proc_circuit_breakers_exceed_any_queue_bound() -> None:
     settings = load_settings({**LOCAL_ENV, "VLLM_MAX_QUEUE_DEPTH": "500"})
     (extproc,) = [c for c in build_envoy_config(settings)["static_resources"]["clusters"] if c["name"] == "extproc"]
@@ -131,7 +183,8 @@ def test_gated_paths_and_escaped_separators_route_to_the_bounded_cluster() -> No
     settings = load_settings(LOCAL_ENV)
     routes = _hcm(build_envoy_config(settings))["route_config"]["virtual_hosts"][0]["routes"]
     bounded = [r["match"] for r in routes if r["route"]["cluster"] == "engine_default"]
-    assert [m["path"] for m in bounded if "path" in m] == list(settings.gated_paths)
+    # Every gated path, after the one-message routes (a POST declaring a body to a JSON endpoint).
+    assert [m["path"] for m in bounded if "path" in m and "headers" not in m] == list(settings.gated_paths)
     (regex,) = [m["safe_regex"]["regex"] for m in bounded if "safe_regex" in m]
     assert re.fullmatch(regex, "/v1/chat%2Fcompletions") and re.fullmatch(regex, "/v1%5cchat")
     assert not re.fullmatch(regex, "/v1/models")
