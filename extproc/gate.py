@@ -1048,7 +1048,7 @@ class _FluidEngine:
         running = self.jobs[:self.seqs]
         prefilling = next((j for j in running if j.prompt > 0), None)
         speed = self.mixed if prefilling is not None else self.alone
-        decoding = [j for j in running if j.prompt <= 0]
+        decoding = [j for j in running if j.prompt <= 0] if speed > 0 else []  # 0: no generation moves
         step = until - t
         if prefilling is not None:
             step = min(step, prefilling.prompt / self.prefill)

@@ -13,7 +13,17 @@ from prometheus_client import CollectorRegistry
 
 from extproc.admission import Admission
 from extproc.config import load_settings
-from extproc.gate import RATE_INTERVALS, RATE_MARGIN, EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
+from extproc.gate import (
+    RATE_INTERVALS,
+    RATE_MARGIN,
+    EngineGate,
+    EngineSnapshot,
+    GateLimits,
+    Ticket,
+    TicketState,
+    _FluidEngine,
+    _Job,
+)
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 
@@ -450,6 +460,13 @@ def test_intervals_in_which_nothing_was_generated_measure_no_decode_rate() -> No
         gate.observe(escrape(t, kv, 0.0, running=4), t)
     assert gate.decode_rates() == (None, None)
     assert gate.throughput_bound() is not None
+
+
+def test_a_decode_rate_of_zero_leaves_the_model_waiting_not_failing() -> None:
+    engine = _FluidEngine(seqs=4, prefill=P, mixed=0.0, alone=0.0)
+    engine.jobs = [_Job(0.0, 10.0, 16), _Job(1000.0, 5.0, 16)]
+    t, ended = engine.run(0.0, 1.0)  # the prefill moves; the decode does not
+    assert (t, ended, engine.jobs[1].prompt, engine.jobs[0].generation) == (1.0, [], 1000.0 - P, 10.0)
 
 
 def test_the_expected_wait_counts_prefill_decode_and_the_requests_ahead() -> None:
