@@ -143,7 +143,9 @@ class BenchConfig:
             "ENGINE_POLL_INTERVAL_SECONDS": f"{self.poll_interval / k:g}",
             "ADMISSION_SCRAPE_GRACE_SECONDS": f"{self.scrape_grace / k:g}",
             "ADMISSION_RETRY_AFTER_SECONDS": "1",
-            "EXTPROC_LOG_LEVEL": "WARNING",
+            # INFO: a line per park and per answer (a few per request), and the "wait prediction"
+            # lines the report reads (`Deployment.wait_predictions`).
+            "EXTPROC_LOG_LEVEL": "INFO",
         }
         if self.mode == "reference":
             env.update(REFERENCE_ENV)
@@ -162,6 +164,7 @@ class RequestRecord:
     finish_reason: str | None = None
     outcome: str = "pending"  # completed, rejected, incomplete, gave_up (the client's deadline passed)
     reason: str | None = None
+    retry_after: float | None = None  # a rejection's Retry-After, gateway seconds
 
     @property
     def ttft(self) -> float | None:
@@ -324,6 +327,18 @@ class Deployment:
     def logs(self) -> str:
         return "\n".join(stack.logs() for stack in self.stacks)
 
+    def wait_predictions(self) -> list[dict[str, Any]]:
+        """The services' "wait prediction" log lines (extproc/admission.py): one per early answer and
+        per parked-then-admitted request that had a prediction, gateway seconds."""
+        lines: list[dict[str, Any]] = []
+        for path in sorted(self._workdir.glob("replica*/extproc.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if '"wait prediction"' not in line:
+                    continue
+                with contextlib.suppress(ValueError):
+                    lines.append(json.loads(line))
+        return lines
+
 
 def _engine_fresh(stack: LocalStack) -> bool:
     status, body = http_get(f"{stack.admin_url}/debug/engines")
@@ -383,6 +398,27 @@ def gateway_counters(stacks: Sequence[LocalStack]) -> dict[str, Any]:
             "admitted": dict(admitted), "poll_failures": dict(poll_failures),
             "ledger_degraded_transitions": int(degraded), "ledger_lease_expiries": int(expiries),
             "bound": bound, "error_buckets": error_buckets}
+
+
+def prediction_report(lines: Sequence[dict[str, Any]], k: float) -> dict[str, Any]:
+    """Per-request predictions from the services' logs, engine seconds: each early answer (its
+    prediction from the moment of the answer, how long it had waited, its size), and for parked
+    requests then admitted the signed error actual - predicted (mean, p10, p50, p90)."""
+    early = [{"tokens": d.get("tokens"), "waited_s": _r(d["waited"] * k),
+              "predicted_s": _r(d["predicted_from_now"] * k)}
+             for d in lines if d.get("outcome") == "expected_wait_too_long" and "predicted_from_now" in d]
+    errors = [(d["waited"] - d["predicted"]) * k for d in lines
+              if d.get("outcome") == "admitted_after_park" and "predicted" in d]
+    return {
+        "kind": next((d.get("kind") for d in lines), None),
+        "early": sorted(early, key=lambda e: e["waited_s"] or 0.0),
+        "admitted_with_prediction": len(errors),
+        "error_mean_s": _r(sum(errors) / len(errors)) if errors else None,
+        "error_p10_s": _r(percentile(errors, 0.10)),
+        "error_p50_s": _r(percentile(errors, 0.50)),
+        "error_p90_s": _r(percentile(errors, 0.90)),
+        "errors_s": sorted(round(e, 1) for e in errors),
+    }
 
 
 def wait_bound_report(records: Sequence[RequestRecord], gateway: dict[str, Any] | None, k: float) -> dict[str, Any]:
@@ -481,6 +517,8 @@ async def _stream(client: openai.AsyncOpenAI, record: RequestRecord, content: st
     except openai.APIStatusError as exc:
         record.finished = loop.time()
         record.outcome, record.reason = "rejected", _rejection_reason(exc)
+        retry_after = exc.response.headers.get("retry-after")
+        record.retry_after = float(retry_after) if retry_after and retry_after.isdigit() else None
     except openai.APIError as exc:  # connection errors, timeouts, an error event mid-stream
         record.finished = loop.time()
         record.outcome, record.reason = "incomplete", type(exc).__name__
@@ -757,6 +795,15 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
                                for name, group in by_class.items()},
         "parked": gateway["parked"] if gateway else 0,
         "wait_bound": wait_bound_report(records, gateway, k),
+        **({"wait_predictions": prediction_report(run["predictions"], k)}
+           if run.get("predictions") is not None else {}),
+        # each request, in send order: its class, how it ended, when (engine s after sending) and,
+        # for a rejection, its Retry-After (engine s)
+        "per_request": [{"i": r.spec.index, "cls": r.spec.cls.name, "outcome": r.outcome, "reason": r.reason,
+                         "after_s": _r((r.finished - r.sent) * k) if r.finished is not None and r.sent is not None
+                         else None,
+                         **({"retry_after_s": _r(r.retry_after * k)} if r.retry_after is not None else {})}
+                        for r in sorted(records, key=lambda r: r.spec.index)],
         "preemptions": preemptions,
         **estimate_ratios(records, run["arrivals"], run.get("estimates")),
         **({"gateway_estimate_ratio": run["gateway_estimate_ratio"]}
@@ -920,6 +967,7 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
             gateway = gateway_counters(deployment.stacks) if cfg.gated else None
             if cfg.gated:
                 run["gateway_estimate_ratio"] = gateway_estimate_ratio(deployment.stacks, deployment.engine_url)
+                run["predictions"] = deployment.wait_predictions()
             preemptions = engine_preemptions(deployment.engine_url)
         except BaseException:
             if cfg.progress:
