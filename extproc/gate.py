@@ -132,7 +132,7 @@ request on each scrape, when the bound or the throughput behind it changes.
   the cap (it is an estimate, not a bound); the bound adds the early answers it can prove, and
   is the only rule that answers a request already parked.
 
-Expected waits (`wait_prediction="expected"`, an operator's choice; the default is the bound). The
+Expected waits (`wait_prediction="expected"`, the default; "bound" keeps the bound alone). The
 bound never turns away a request the engine could serve in time, and for that reason answers
 almost nothing early: the waits of long-prompt traffic are made of decode and of requests ahead,
 which a lower bound may not count. The expected wait counts them, and can be wrong both ways

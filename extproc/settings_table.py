@@ -219,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ADMISSION_WAIT_PREDICTION",
             "with wait estimates: bound = a lower bound on the wait (never turns away a request that could be "
             "served), expected = the expected wait from the work ahead (answers sooner, can be wrong)",
-            "bound", chart="admission.waitPrediction", kind="choice", choices=("bound", "expected")),
+            "expected", chart="admission.waitPrediction", kind="choice", choices=("bound", "expected")),
 )
 
 BY_ENV = {s.env: s for s in SETTINGS}

@@ -32,7 +32,8 @@ from .limits import limits
 CAPACITY = 152_432  # the reference engine: 9527 blocks x 16 tokens
 BIG = (65_536, 256)  # (prompt, max_tokens)
 SMALL = (8_192, 128)
-LIMITS = limits(max_inflight=4, engine_queue_slots=1, max_queue_depth=8, max_park_seconds=120.0)
+LIMITS = limits(max_inflight=4, engine_queue_slots=1, max_queue_depth=8, max_park_seconds=120.0,
+                wait_prediction="bound")
 
 
 def snap(at: float, kv: float, running: int = 1, finished: int = 0, capacity: int = CAPACITY) -> EngineSnapshot:
