@@ -28,7 +28,7 @@ GENERATED = Path(extproc.__file__).parent / "_proto"
 # message -> the fields extproc/servicer.py reads or sets (and the ones issue 13 needs next).
 USED_FIELDS = {
     pb.ProcessingRequest: {"request_headers", "request_body", "request_trailers", "response_headers",
-                           "response_body", "response_trailers"},
+                           "response_body", "response_trailers", "attributes"},
     pb.ProcessingResponse: {"request_headers", "request_body", "request_trailers", "response_headers",
                             "response_body", "response_trailers", "immediate_response", "mode_override",
                             "override_message_timeout", "streamed_immediate_response"},
