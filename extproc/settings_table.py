@@ -175,7 +175,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ADMISSION_BACKFILL", "let small requests pass a KV-blocked head when it cannot delay it", "true",
             chart="admission.backfill", kind="bool"),
     Setting("ADMISSION_WAIT_ESTIMATES",
-            "Retry-After from the completion rate; reject at once if the wait exceeds the park cap", "true",
+            "Retry-After from the predicted wait (completion rate; with the KV budget, the work ahead: "
+            "ADMISSION_WAIT_PREDICTION); answer at once when it runs past the park cap", "true",
             chart="admission.waitEstimates", kind="bool"),
     Setting("ADMISSION_ENGINE_QUEUE_SLOTS",
             "with the budget: requests that may wait inside the engine beyond max in-flight", "1",
