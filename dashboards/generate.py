@@ -59,6 +59,9 @@ def vllm(name: str) -> str:
 
 
 RATE = "$__rate_interval"
+# The error histogram's lowest bucket (actual <= predicted): prometheus_client writes le="0.0",
+# Prometheus 3 normalises it to le="0".
+LE_ZERO = 'le=~"0|0.0"'
 ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
 
 # Capacity rejections over all decisions, per engine; the `or ... * 0` keeps the ratio defined
@@ -232,6 +235,52 @@ def build() -> dict[str, object]:
             "reqps",
             query("A", f"sum by (engine, source) (rate(admission_estimate_source_total{{{GW}}}[{RATE}]))",
                   "{{engine}}: {{source}}"),
+        ))
+        .with_panel(panel(
+            "Predicted wait p50 / p90",
+            "The wait the gate predicted for each park or early answer, by kind (ADMISSION_WAIT_PREDICTION: "
+            "expected, or bound, a lower bound). Predictions past the park cap were answered at once "
+            "(expected_wait_too_long).",
+            "s",
+            query("A", "histogram_quantile(0.5, sum by (le, engine, kind) "
+                       f"(rate(admission_predicted_wait_seconds_bucket{{{GW}}}[{RATE}])))",
+                  "p50: {{engine}} ({{kind}})"),
+            query("B", "histogram_quantile(0.9, sum by (le, engine, kind) "
+                       f"(rate(admission_predicted_wait_seconds_bucket{{{GW}}}[{RATE}])))",
+                  "p90: {{engine}} ({{kind}})"),
+            width=8,
+        ))
+        .with_panel(panel(
+            "Wait prediction error: actual - predicted",
+            "Parked requests then admitted: how much later than predicted they started. The mean is signed; "
+            "p50 / p90 read 0 for any request that started sooner (the histogram has no negative buckets). "
+            "A negative mean: predictions run long and early answers may turn away servable requests "
+            "(alert LLMAdmissionWaitPredictionTooLong).",
+            "s",
+            # _sum falls with every negative error: delta(), not rate() (which reads a fall as a restart).
+            query("A", "sum by (engine, kind) "
+                       f"(delta(admission_wait_prediction_error_seconds_sum{{{GW}}}[{RATE}])) / sum by (engine, kind) "
+                       f"(increase(admission_wait_prediction_error_seconds_count{{{GW}}}[{RATE}]))",
+                  "mean: {{engine}} ({{kind}})"),
+            query("B", "histogram_quantile(0.5, sum by (le, engine, kind) "
+                       f"(rate(admission_wait_prediction_error_seconds_bucket{{{GW}}}[{RATE}])))",
+                  "p50: {{engine}} ({{kind}})"),
+            query("C", "histogram_quantile(0.9, sum by (le, engine, kind) "
+                       f"(rate(admission_wait_prediction_error_seconds_bucket{{{GW}}}[{RATE}])))",
+                  "p90: {{engine}} ({{kind}})"),
+            width=8,
+        ))
+        .with_panel(panel(
+            "Started no later than predicted",
+            "Share of parked-then-admitted requests whose wait was at most the prediction. Expected waits: "
+            "about half is normal, most means predictions run long. Bound: above 0 means the bound failed "
+            "(alert LLMAdmissionWaitBoundViolated).",
+            "percentunit",
+            query("A", "sum by (engine, kind) "
+                       f"(rate(admission_wait_prediction_error_seconds_bucket{{{LE_ZERO},{GW}}}[{RATE}])) / "
+                       f"sum by (engine, kind) (rate(admission_wait_prediction_error_seconds_count{{{GW}}}[{RATE}]))",
+                  "{{engine}} ({{kind}})"),
+            width=8,
         ))
         .with_row(db.Row("Engine: the gateway's view next to vLLM's own"))
         .with_panel(panel(

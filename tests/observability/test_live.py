@@ -6,8 +6,10 @@ with fast clocks and the shared ledger on a throwaway redis-server (ADMISSION_LE
 only then; every other series is exported with either ledger). Prometheus (the Debian package's
 binary) scrapes the service as job="llm-admission" and the simulator as job="vllm", once a
 second, and loads alerts/llm-admission.rules.yml. The test drives admissions, parks, park
-timeouts, queue-full rejections, an unknown model, an ungated path and a short engine outage,
-then evaluates every query of the committed dashboard through Prometheus' HTTP API, then stops
+timeouts, queue-full rejections, a park with a predicted wait (long generations fill the slots,
+a request parks once the gate has measured the engine, and is admitted), an unknown model, an
+ungated path and a short engine outage, then evaluates every query of the committed dashboard
+through Prometheus' HTTP API, then stops
 Redis, breaks the engine's metrics and stops the service and watches the alert expressions turn
 true. (The lease-expiry alert needs a second replica to die: its promtool unit test covers it.)
 """
@@ -47,6 +49,9 @@ SERVICE_ENV = {
     "ADMISSION_MAX_PARK_SECONDS": str(PARK_SECONDS),
 }
 CHAT = "/v1/chat/completions"
+#: max_tokens of prediction_round's long requests: the simulator's small preset decodes four at once
+#: at ~5 ms a step, ~5 s for these (the gate needs 8 busy polls, 1.6 s, to measure the engine).
+LONG_TOKENS = 1000
 #: Series only a kubelet exports (cAdvisor): the local stack has no containers, so the queries and
 #: variables that read them are checked as PromQL (test_dashboard.py), not for data here.
 KUBELET_ONLY = "container_cpu_cfs_"
@@ -185,7 +190,45 @@ def park_round(stack: LocalStack) -> list[tuple[int, str]]:
     return replies
 
 
+def service_sample(stack: LocalStack, name: str) -> float:
+    """One sample of the service's /metrics (the first line for `name`, labels included)."""
+    for line in http_get(f"{stack.admin_url}/metrics")[1].decode().splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in the service's /metrics")
+
+
+def prediction_round(stack: LocalStack) -> None:
+    """Long generations fill the slots; a request parked once the gate has measured the engine gets
+    a predicted wait, and one admitted from the park the error of its prediction.
+
+    Five requests of LONG_TOKENS fill max in-flight (4) and the engine queue slot (1): the engine
+    decodes four for ~5 s, its KV growing with no finish, which is what the gate measures its rates
+    on. A request that arrives then is parked or, when its predicted wait runs past the 1.5 s park
+    cap, answered at once; the ones sent within the cap of the first four ending park and are then
+    admitted, which observes admission_wait_prediction_error_seconds.
+    """
+    errors = 'admission_wait_prediction_error_seconds_count{engine="default",kind="expected"}'
+    assert service_sample(stack, errors) == 0
+    with ThreadPoolExecutor(6) as pool:
+        long = [pool.submit(post, stack, CHAT, {"model": "sim-model", "max_tokens": LONG_TOKENS,
+                                                "messages": [{"role": "user", "content": "Hello"}]})
+                for _ in range(5)]
+        wait_until(lambda: math.isfinite(service_sample(stack, "admission_engine_throughput_bound_tokens_per_second")),
+                   10.0, "the gate to measure the engine's throughput")
+
+        def one_admitted_from_the_park() -> bool:
+            assert not all(f.done() for f in long), "the long requests ended before one parked"
+            status, outcome = pool.submit(chat, stack).result(timeout=30)
+            assert (status, outcome) in {(200, ""), (503, "expected_wait_too_long"), (503, "park_timeout")}, outcome
+            return service_sample(stack, errors) > 0
+
+        wait_until(one_admitted_from_the_park, 15.0, "a request parked with a prediction to be admitted", interval=0.2)
+        assert [f.result(timeout=30)[0] for f in long] == [200] * 5
+
+
 def drive(stack: LocalStack) -> None:
+    prediction_round(stack)
     for _ in range(3):
         assert chat(stack)[0] == 200
     assert chat(stack, model="no-such-model")[0] == 404
