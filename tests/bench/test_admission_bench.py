@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,29 @@ def test_smoke_report_is_complete_and_consistent(mode: str, replicas: int) -> No
         assert set(result[key]) == {"smoke", "all"}
     assert 0 < result["ttft_p50"]["smoke"] <= result["ttft_p95"]["smoke"] <= result["e2e_p95"]["smoke"]
     assert result["engine"] == "vllm-0.33"
+    # One entry per request, in send order, with its class; the outcomes add up to the totals.
+    per_request = result["per_request"]
+    assert [r["i"] for r in per_request] == list(range(6))
+    assert Counter(r["cls"] for r in per_request) == result["requests_by_class"] == {"smoke": 6}
+    outcomes = Counter(r["outcome"] for r in per_request)
+    assert outcomes["completed"] == result["completed"] and outcomes["gave_up"] == result["gave_up"]
+    assert Counter(r["reason"] for r in per_request if r["outcome"] == "rejected") == result["rejected"]
+    assert set(outcomes) <= {"completed", "rejected", "incomplete", "gave_up"}, outcomes
+    assert all(r["after_s"] > 0 for r in per_request if r["outcome"] == "completed")
     if mode in ("none", "vllm-builtin"):  # no gateway: the engine's own queue (limit 4 + 1 + 8 here)
         assert result["parked"] == 0 and result["rejected"] == {}
+        assert "wait_predictions" not in result
     else:
+        # The services' prediction log lines, of the configured kind (the default, expected). The
+        # smoke run ends before the gate has measured the engine (cold start: nothing predicted),
+        # where the report has no kind and no errors.
+        predictions = result["wait_predictions"]
+        assert predictions["admitted_with_prediction"] == result["wait_bound"]["parked_admitted_with_bound"]
+        if result["wait_bound"]["predictions"]:
+            assert predictions["kind"] == "expected"
+        else:
+            assert predictions["kind"] is None
+            assert (predictions["early"], predictions["errors_s"]) == ([], [])
         # every request the gateways saw is accounted for by their own counters
         admitted = sum(result["gateway_admitted"].values())
         assert admitted == result["completed"]
