@@ -29,12 +29,10 @@ pytestmark = pytest.mark.integration
 CLOSED = {"VLLM_MAX_QUEUE_DEPTH": "0"}
 
 
-def raw(stack: Stack, request_line: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Reply:
-    """Send exactly `request_line` (method, target, version) and read the whole answer."""
-    head = [request_line, "host: gateway", "connection: close", f"content-length: {len(body)}"]
-    head += [f"{k}: {v}" for k, v in {"content-type": "application/json", **(headers or {})}.items()]
+def _exchange(stack: Stack, request: bytes) -> Reply:
+    """Send `request` byte for byte and read the whole answer."""
     with socket.create_connection(("127.0.0.1", stack.local.envoy_port), timeout=10) as sock:
-        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        sock.sendall(request)
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
@@ -42,6 +40,13 @@ def raw(stack: Stack, request_line: str, body: bytes = b"", headers: dict[str, s
     lines = head_bytes.decode("latin-1").split("\r\n")
     fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
     return Reply(int(lines[0].split()[1]), {k.strip().lower(): v.strip() for k, v in fields.items()}, payload)
+
+
+def raw(stack: Stack, request_line: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Reply:
+    """Send exactly `request_line` (method, target, version) and read the whole answer."""
+    head = [request_line, "host: gateway", "connection: close", f"content-length: {len(body)}"]
+    head += [f"{k}: {v}" for k, v in {"content-type": "application/json", **(headers or {})}.items()]
+    return _exchange(stack, ("\r\n".join(head) + "\r\n\r\n").encode() + body)
 
 
 def upstream_requests(stack: Stack, cluster: str = "engine_default") -> int:
@@ -113,19 +118,6 @@ def test_path_and_method_tricks_against_a_closed_gate_never_reach_the_engine(mak
     # The witness counts: an ungated request does reach the engine.
     assert get(f"{stack.url}/v1/models").status == 200
     assert upstream_requests(stack) == 1
-
-
-def _exchange(stack: Stack, request: bytes) -> Reply:
-    """Send `request` byte for byte and read the whole answer."""
-    with socket.create_connection(("127.0.0.1", stack.local.envoy_port), timeout=10) as sock:
-        sock.sendall(request)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head_bytes, _, payload = data.partition(b"\r\n\r\n")
-    lines = head_bytes.decode("latin-1").split("\r\n")
-    fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
-    return Reply(int(lines[0].split()[1]), {k.strip().lower(): v.strip() for k, v in fields.items()}, payload)
 
 
 _HEAD = "{method} /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n{framing}\r\n"
