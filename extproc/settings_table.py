@@ -27,7 +27,6 @@ from .dialects import CHOICES as DIALECT_CHOICES
 #: int, float, bool and choice rows are parsed from the row (config.py's `_int`, `_float`, `_bool`,
 #: `_choice`); the others have structure config.py checks by hand.
 Kind = Literal["int", "float", "bool", "choice", "url", "listen", "list", "file", "text"]
-TYPED_KINDS = ("int", "float", "bool", "choice")
 
 
 @dataclass(frozen=True)
