@@ -57,6 +57,7 @@ from .contract import (
     READ_REQUEST_HEADERS,
     REQUEST_ID_ATTRIBUTE,
     ROUTE_HEADER,
+    SERVICE_REPLY_DETAILS_PREFIX,
 )
 from .endpoints import PathRules
 from .estimate import CostEstimate
@@ -282,7 +283,7 @@ class Conversation:
                 status=http_status_pb2.HttpStatus(code=row.status),  # type: ignore[arg-type]
                 headers=pb.HeaderMutation(set_headers=headers),
                 body=error_body(outcome, message),
-                details=f"admission_{outcome.value}",
+                details=SERVICE_REPLY_DETAILS_PREFIX + outcome.value,  # envoyconf keeps these replies as they are
             )
         ))
 
