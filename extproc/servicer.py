@@ -311,7 +311,11 @@ class Conversation:
             m.child(m.decision_latency, engine, outcome.value).observe(time.perf_counter() - s.started)
         if outcome.admits:
             if log.isEnabledFor(logging.DEBUG):  # the common case: no dict built for a line nobody reads
-                log.debug("admitted", extra={"request_id": s.request_id, "engine": engine, "outcome": outcome.value})
+                cost = s.cost
+                log.debug("admitted", extra={"request_id": s.request_id, "engine": engine, "outcome": outcome.value,
+                                             # what the engine's prompt counter is expected to add, and from where
+                                             **({"prompt_tokens": cost.engine_prompt_tokens,
+                                                 "estimate_source": cost.source} if cost is not None else {})})
         elif outcome is Outcome.PARKED:
             assert s.routed is not None
             log.info("parked", extra={"request_id": s.request_id, "engine": engine, "model": s.routed.facts.model,

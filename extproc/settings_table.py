@@ -212,7 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
             chart="admission.adminPort", kind="listen"),
     Setting("EXTPROC_MAX_STREAMS", "concurrent ext_proc streams (parked + in flight)", "10000",
             chart="admission.maxStreams", kind="int", bounds=Bounds(16)),
-    Setting("EXTPROC_LOG_LEVEL", "log level", "INFO", chart="admission.logLevel", kind="choice",
+    Setting("EXTPROC_LOG_LEVEL", "log level; DEBUG adds a line per admitted request with its prompt estimate "
+            "(prompt_tokens, estimate_source)", "INFO", chart="admission.logLevel", kind="choice",
             choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Setting("EXTPROC_LOG_FORMAT", "log line format", "json", chart="admission.logFormat", kind="choice",
             choices=("json", "text")),

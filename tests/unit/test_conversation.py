@@ -119,6 +119,26 @@ async def _park(admission: Admission, servicer: ExternalProcessor, stream: Canne
 # --- admitted ------------------------------------------------------------------------------------
 
 
+def test_the_admitted_debug_line_carries_the_prompt_estimate_and_its_source(caplog: pytest.LogCaptureFixture) -> None:
+    body = chat_body(messages=[{"role": "user", "content": "x" * 4000}])
+
+    estimated: list[float | None] = []
+
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        stream = CannedStream(metadata=route_metadata())
+        task = _serve(servicer, stream)
+        assert await stream.exchange(route_body_message(body, request_id="est-1")) == admitted()
+        stream.end()
+        await asyncio.wait_for(task, 5)
+        estimated.append(_sample(metrics, "admission_estimated_prompt_tokens_total", engine="default", model="m"))
+
+    with caplog.at_level("DEBUG", logger="extproc.servicer"):
+        _run(scenario)
+    (line,) = [r for r in caplog.records if r.getMessage() == "admitted"]
+    assert (line.request_id, line.estimate_source) == ("est-1", "prior")  # type: ignore[attr-defined]  # no calibration yet
+    assert [line.prompt_tokens] == estimated and line.prompt_tokens > 1000  # type: ignore[attr-defined]
+
+
 def test_a_request_under_the_limit_is_admitted_and_routed_then_freed_when_its_stream_ends() -> None:
     async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
         stream = CannedStream()
