@@ -59,6 +59,9 @@ ENGINES = ("vllm-0.33", "vllm-0.11")  # the simulator's profiles (enginesim --pr
 DEFAULT_TIME_SCALE = 20.0
 SAMPLE_INTERVAL_S = 0.02  # wall seconds between /control/state samples
 CLIENT_TIMEOUT_S = 900.0  # wall seconds; the openai client's per-request timeout
+#: Engine seconds after the first send from which `gateway_estimate_ratio_window` counts requests
+#: (issue 11's "after the first minute": the estimate's cold start is left out).
+ESTIMATE_WINDOW_FROM_S = 60.0
 
 # Settings that make the service behave like the reference gate: decisions from the last poll
 # only. Every feature that is on by default gets its switch here, so `reference` keeps meaning
@@ -92,6 +95,8 @@ class BenchConfig:
     text: str = DEFAULT_TEXT  # what the prompts are made of (bench.text)
     tokenizer: str = DEFAULT_TOKENIZER  # the simulator's (enginesim --tokenizer); prompts are sized with it
     output_len: str | None = None  # enginesim --output-len (None: the scenario's, else max)
+    # engine seconds after the first send from which `gateway_estimate_ratio_window` counts requests
+    estimate_window_from: float = ESTIMATE_WINDOW_FROM_S
 
     @property
     def builtin_queued_reqs(self) -> int:
@@ -143,9 +148,10 @@ class BenchConfig:
             "ENGINE_POLL_INTERVAL_SECONDS": f"{self.poll_interval / k:g}",
             "ADMISSION_SCRAPE_GRACE_SECONDS": f"{self.scrape_grace / k:g}",
             "ADMISSION_RETRY_AFTER_SECONDS": "1",
-            # INFO: a line per park and per answer (a few per request), and the "wait prediction"
-            # lines the report reads (`Deployment.wait_predictions`).
-            "EXTPROC_LOG_LEVEL": "INFO",
+            # DEBUG: a line per admission with the service's prompt estimate, per park and per
+            # answer (a few per request), and the "wait prediction" lines the report reads
+            # (`Deployment.service_lines`).
+            "EXTPROC_LOG_LEVEL": "DEBUG",
         }
         if self.mode == "reference":
             env.update(REFERENCE_ENV)
@@ -327,17 +333,31 @@ class Deployment:
     def logs(self) -> str:
         return "\n".join(stack.logs() for stack in self.stacks)
 
-    def wait_predictions(self) -> list[dict[str, Any]]:
-        """The services' "wait prediction" log lines (extproc/admission.py): one per early answer and
-        per parked-then-admitted request that had a prediction, gateway seconds."""
+    def service_lines(self, msg: str) -> list[dict[str, Any]]:
+        """The services' JSON log lines whose message is `msg`, every replica's."""
         lines: list[dict[str, Any]] = []
         for path in sorted(self._workdir.glob("replica*/extproc.log")):
             for line in path.read_text(errors="replace").splitlines():
-                if '"wait prediction"' not in line:
+                if f'"msg": "{msg}"' not in line:
                     continue
                 with contextlib.suppress(ValueError):
                     lines.append(json.loads(line))
         return lines
+
+    def wait_predictions(self) -> list[dict[str, Any]]:
+        """The services' "wait prediction" log lines (extproc/admission.py): one per early answer and
+        per parked-then-admitted request that had a prediction, gateway seconds."""
+        return self.service_lines("wait prediction")
+
+    def admitted_estimates(self) -> dict[int, int]:
+        """The services' own prompt estimate of each bench request they admitted (the "admitted"
+        debug line, extproc/servicer.py), by request index."""
+        out = {}
+        for d in self.service_lines("admitted"):
+            rid, tokens = d.get("request_id", ""), d.get("prompt_tokens")
+            if rid.startswith("bench-") and rid[6:].isdigit() and isinstance(tokens, int):
+                out[int(rid[6:])] = tokens
+        return out
 
 
 def _engine_fresh(stack: LocalStack) -> bool:
@@ -650,7 +670,7 @@ def estimate_ratios(records: Sequence[RequestRecord], arrivals: Sequence[dict[st
     true: Counter[str] = Counter()
     for r in records:
         engine = counted.get(f"bench-{r.spec.index}")
-        if engine:
+        if engine and r.spec.index in estimates:
             est[r.spec.cls.name] += estimates[r.spec.index]
             true[r.spec.cls.name] += engine
     total_true = sum(true.values())
@@ -659,6 +679,26 @@ def estimate_ratios(records: Sequence[RequestRecord], arrivals: Sequence[dict[st
         "estimate_ratio_by_class": {c: round(est[c] / true[c], 3) for c in true},
         "engine_prompt_tokens": total_true,
         "estimated_prompt_tokens": sum(est.values()),
+    }
+
+
+def gateway_estimate_ratios(records: Sequence[RequestRecord], arrivals: Sequence[dict[str, Any]],
+                            estimates: dict[int, int] | None, t0: float, k: float,
+                            window_from: float) -> dict[str, Any]:
+    """`estimate_ratios` of the services' OWN per-request estimates (`Deployment.admitted_estimates`),
+    per class, and over the requests sent `window_from` engine seconds or more after the first
+    send (None when there were none). Request by request, unlike `gateway_estimate_ratio`, whose
+    two counters move at different moments (admission, prefill's end)."""
+    if not estimates:
+        return {}
+    whole = estimate_ratios(records, arrivals, estimates)
+    late = [r for r in records if r.sent is not None and (r.sent - t0) * k >= window_from]
+    window = estimate_ratios(late, arrivals, estimates)
+    return {
+        "gateway_estimate_ratio_by_class": whole["estimate_ratio_by_class"],
+        "gateway_estimate_ratio_window": {"from_s": window_from, "ratio": window["estimate_ratio"],
+                                          "by_class": window["estimate_ratio_by_class"]}
+        if window["estimate_ratio"] is not None else None,
     }
 
 
@@ -808,6 +848,8 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         **estimate_ratios(records, run["arrivals"], run.get("estimates")),
         **({"gateway_estimate_ratio": run["gateway_estimate_ratio"]}
            if run.get("gateway_estimate_ratio") is not None else {}),
+        **gateway_estimate_ratios(records, run["arrivals"], run.get("gateway_estimates"), run["t0"], k,
+                                  cfg.estimate_window_from),
         "finish_reasons": dict(Counter(r.finish_reason for r in records if r.finish_reason)),
         "preempted_requests": sum(1 for r in state.get("requests", []) if r["preemptions"] > 0),
         "ttft_p50": stat("ttft", 0.50),
@@ -897,6 +939,11 @@ def render_run(result: dict[str, Any]) -> str:
     if result.get("estimate_ratio") is not None:
         by_class = ", ".join(f"{c} {v}" for c, v in result["estimate_ratio_by_class"].items())
         lines.append(f"prompt estimate / engine count: {result['estimate_ratio']} ({by_class})")
+    if result.get("gateway_estimate_ratio_by_class"):
+        by_class = ", ".join(f"{c} {v}" for c, v in result["gateway_estimate_ratio_by_class"].items())
+        window = result.get("gateway_estimate_ratio_window")
+        lines.append(f"the service's own estimate / engine count: {result.get('gateway_estimate_ratio')} ({by_class})"
+                     + (f"; sent from {window['from_s']:g} s on: {window['ratio']}" if window else ""))
     lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall), "
                  f"throughput {result['throughput_rps']} req/s, held before the engine {result['held_s']} s, "
                  f"of which with room at the engine (parked_while_free_s) {result['parked_while_free_s']} s")
@@ -968,6 +1015,7 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
             if cfg.gated:
                 run["gateway_estimate_ratio"] = gateway_estimate_ratio(deployment.stacks, deployment.engine_url)
                 run["predictions"] = deployment.wait_predictions()
+                run["gateway_estimates"] = deployment.admitted_estimates()
             preemptions = engine_preemptions(deployment.engine_url)
         except BaseException:
             if cfg.progress:
@@ -1032,6 +1080,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra environment for the admission service (repeatable), e.g. to try a feature flag")
     add("--sim-arg", action="append", default=[], metavar="FLAG",
         help="extra enginesim flag (repeatable), e.g. --sim-arg=--max-num-seqs=5 (the reference's PR-2 engine)")
+    add("--estimate-window-from", type=float, default=ESTIMATE_WINDOW_FROM_S, metavar="S",
+        help="gated modes: gateway_estimate_ratio_window counts the requests sent S engine seconds or more "
+             "after the first send (default: after the first minute)")
     add("--workdir", type=Path, default=None,
         help="keep configs and process logs here (default: a temporary directory)")
     add("--quiet", action="store_true", help="no progress on stderr")
@@ -1047,6 +1098,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.time_scale = SCENARIOS[args.scenario].time_scale
     if args.time_scale <= 0 or args.replicas < 1:
         parser.error("--time-scale must be > 0 and --replicas >= 1")
+    if args.estimate_window_from < 0:
+        parser.error("--estimate-window-from must be >= 0 (engine seconds after the first send)")
     extra = []
     for item in args.extproc_env:
         key, sep, value = item.partition("=")
@@ -1081,7 +1134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kv_threshold=args.kv_threshold,
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet,
-                text=args.text, tokenizer=args.tokenizer, output_len=args.output_len)
+                text=args.text, tokenizer=args.tokenizer, output_len=args.output_len,
+                estimate_window_from=args.estimate_window_from)
     if not args.all:
         result = run_one(BenchConfig(mode=args.mode, replicas=args.replicas, **base))
         print(render_run(result))

@@ -100,6 +100,19 @@ def test_all_prints_one_combined_table_and_a_json_list() -> None:
     assert table.count("\nnone ") == 2 and "peak r+w" in table
 
 
+def test_the_services_own_estimates_add_up_to_its_counter_and_window_by_send_time() -> None:
+    # Every request reached the engine: request by request, the services' "admitted" lines and
+    # the engine's counts give the same ratio as the two counters do.
+    whole, table = run_bench("--mode", "full", "--estimate-window-from", "0")
+    ratio = whole["gateway_estimate_ratio"]
+    assert ratio > 0 and whole["gateway_estimate_ratio_by_class"] == {"smoke": ratio}
+    assert whole["gateway_estimate_ratio_window"] == {"from_s": 0.0, "ratio": ratio, "by_class": {"smoke": ratio}}
+    assert f"sent from 0 s on: {ratio}" in table
+    # A window no request was sent in: no windowed figure.
+    late, _ = run_bench("--mode", "full", "--estimate-window-from", "100000")
+    assert late["gateway_estimate_ratio_window"] is None and late["gateway_estimate_ratio"] == ratio
+
+
 def test_short_scenario_runs_closed_loop_with_its_concurrency() -> None:
     result, table = run_bench("--mode", "full", "--count", "24", "--concurrency", "6", scenario="short")
     assert (result["requests"], result["completed"], result["time_scale"]) == (24, 24, 1.0)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.admission import BenchConfig, estimate_ratios, service_estimates
+from bench.admission import BenchConfig, RequestRecord, estimate_ratios, gateway_estimate_ratios, service_estimates
 from bench.scenarios import CLASSES, RequestSpec, prompt_content
 from bench.text import TEXT_KINDS, bytes4_ratio, sized_content
 from extproc.tokenizer import get_tokenizer
@@ -85,3 +85,16 @@ def test_the_estimate_ratio_is_the_services_estimate_over_the_engines_count():
     out = estimate_ratios([Record(s) for s in specs], arrivals, estimates)
     assert out["estimate_ratio"] == round(sum(estimates.values()) / 3072, 3) < 0.55
     assert set(out["estimate_ratio_by_class"]) == {"1k"}
+
+
+def test_the_services_own_estimates_are_paired_request_by_request_and_windowed_by_send_time():
+    # Two requests sent at 0 and 2 s (wall, K=30: 0 and 60 engine s), one never admitted.
+    records = [RequestRecord(RequestSpec(i, CLASSES["1k"], 0.0), 0, sent=100.0 + 2 * i) for i in range(3)]
+    arrivals = [{"id": "bench-0", "prompt_tokens": 1000}, {"id": "bench-1", "prompt_tokens": 1000}]
+    estimates = {0: 600, 1: 1100}  # the services' "admitted" lines; request 2 has none
+    out = gateway_estimate_ratios(records, arrivals, estimates, t0=100.0, k=30.0, window_from=60.0)
+    assert out["gateway_estimate_ratio_by_class"] == {"1k": 0.85}  # 1,700 / 2,000
+    assert out["gateway_estimate_ratio_window"] == {"from_s": 60.0, "ratio": 1.1, "by_class": {"1k": 1.1}}
+    late = gateway_estimate_ratios(records, arrivals, estimates, t0=100.0, k=30.0, window_from=1000.0)
+    assert late["gateway_estimate_ratio_window"] is None  # nothing sent that late
+    assert gateway_estimate_ratios(records, arrivals, {}, t0=100.0, k=30.0, window_from=0.0) == {}
