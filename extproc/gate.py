@@ -175,6 +175,7 @@ import itertools
 import math
 import os
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -305,6 +306,32 @@ class _Finished:
     owner: str = ""
 
 
+@dataclass
+class _Seen:
+    """Our tickets as one scrape (`snap`) saw them (`EngineGate._ours_in_scrape`)."""
+
+    snap: EngineSnapshot
+    seen_before: float  # the scrape's start minus the grace
+    surely: int = 0
+    maybe: int = 0
+    reserved: int = 0  # KV of those surely seen
+
+    def add_open(self, admitted_at: float | None, reserved: int, sign: int) -> None:
+        """Count an open ticket in (sign 1) or out (-1)."""
+        if admitted_at is None or admitted_at >= self.snap.scrape_started:
+            return
+        if admitted_at < self.seen_before:
+            self.surely += sign
+            self.reserved += sign * reserved
+        else:
+            self.maybe += sign
+
+    def add_finished(self, admitted_at: float, reserved: int) -> None:
+        if admitted_at < self.snap.scrape_started:
+            self.surely += 1
+            self.reserved += reserved
+
+
 class EngineGate:
     """FIFO admission for one engine. Every method returns the decisions it made."""
 
@@ -314,8 +341,11 @@ class EngineGate:
         self._snapshot: EngineSnapshot | None = None
         self._failed_polls = 0
         self._queue: deque[Ticket] = deque()
-        self._inflight: set[Ticket] = set()  # admitted by this replica, stream still open
+        self._inflight: dict[int, Ticket] = {}  # by id: admitted by this replica, stream still open
         self._finished: list[_Finished] = []  # local tickets that finished after the last scrape began
+        # Kept as tickets come and go, so a decision costs the same with 10 or 1,000 requests open:
+        self._reserved = 0  # sum of the open tickets' reservations
+        self._seen: _Seen | None = None  # `_count_seen(snapshot)`, while that snapshot is held
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
         self._others_before = 0  # `others` as the previous scrape left it, when the next one came
         self._generation_mean: float | None = None  # smoothed mean generation of finished requests
@@ -350,14 +380,14 @@ class EngineGate:
 
     def admitted(self) -> tuple[Ticket, ...]:
         """Open admitted tickets, oldest admission first."""
-        return tuple(sorted(self._inflight, key=lambda t: (t.admitted_at or 0.0, t.id)))
+        return tuple(sorted(self._inflight.values(), key=lambda t: (t.admitted_at or 0.0, t.id)))
 
     def find(self, ticket_id: int) -> Ticket | None:
         """The parked or admitted ticket with this id, if the gate still holds it."""
+        ticket = self._inflight.get(ticket_id)
+        if ticket is not None:
+            return ticket
         for t in self._queue:
-            if t.id == ticket_id:
-                return t
-        for t in self._inflight:
             if t.id == ticket_id:
                 return t
         return None
@@ -377,7 +407,7 @@ class EngineGate:
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(t.reserved for t in self._inflight)
+        return self._reserved
 
     @property
     def generation_mean(self) -> float | None:
@@ -394,36 +424,39 @@ class EngineGate:
         block = self.block_size
         return math.ceil(tokens / block) * block
 
-    def _ours_in_scrape(self, snap: EngineSnapshot) -> tuple[int, int, int]:
+    def _ours_in_scrape(self, snap: EngineSnapshot) -> _Seen:
         """Our requests the scrape surely includes, those it may include, and the KV of the first.
 
         Surely: open ones admitted more than `grace` before the scrape began, and every one
         admitted before it that has finished since. Maybe: open ones admitted within the grace.
+        Counted once per snapshot (`_count_seen`), then kept as tickets come and go (`_track`).
         """
-        seen_before = snap.scrape_started - self.limits.scrape_grace_seconds
-        surely = maybe = reserved = 0
-        for t in self._inflight:
-            if t.admitted_at is None or t.admitted_at >= snap.scrape_started:
-                continue
-            if t.admitted_at < seen_before:
-                surely += 1
-                reserved += t.reserved
-            else:
-                maybe += 1
+        seen = self._seen
+        if seen is None or seen.snap is not snap:
+            seen = self._seen = self._count_seen(snap)
+        return seen
+
+    def _count_seen(self, snap: EngineSnapshot) -> _Seen:
+        seen = _Seen(snap, snap.scrape_started - self.limits.scrape_grace_seconds)
+        for t in self._inflight.values():
+            seen.add_open(t.admitted_at, t.reserved, 1)
         for f in self._finished:  # finished after the scrape began (older ones are dropped on observe)
-            if f.admitted_at < snap.scrape_started:
-                surely += 1
-                reserved += f.reserved
-        return surely, maybe, reserved
+            seen.add_finished(f.admitted_at, f.reserved)
+        return seen
+
+    def _forget_counts(self) -> None:
+        """The open or finished tickets changed wholesale: count them again."""
+        self._reserved = sum(t.reserved for t in self._inflight.values())
+        self._seen = None
 
     def _others(self) -> int | None:
         """Requests at the engine that ours cannot explain (module docstring), or None."""
         snap = self._snapshot
         if snap is None or self.state is not EngineState.FRESH:
             return None
-        surely, maybe, _ = self._ours_in_scrape(snap)
-        high = max(0, snap.running + snap.waiting - surely)
-        return min(high, max(self._others_before, high - maybe))
+        seen = self._ours_in_scrape(snap)
+        high = max(0, snap.running + snap.waiting - seen.surely)
+        return min(high, max(self._others_before, high - seen.maybe))
 
     def effective_load(self) -> int | None:
         """running + waiting as the gate believes it now, or None without a usable snapshot."""
@@ -442,8 +475,7 @@ class EngineGate:
         snap = self._snapshot
         if not self._budgeting or capacity is None or snap is None or self.state is not EngineState.FRESH:
             return None
-        _, _, reserved_seen = self._ours_in_scrape(snap)
-        others = max(0.0, snap.kv_usage * capacity - reserved_seen)
+        others = max(0.0, snap.kv_usage * capacity - self._ours_in_scrape(snap).reserved)
         return math.floor(capacity - others - self.reserved_tokens)
 
     def _slot_open(self) -> bool:
@@ -740,7 +772,7 @@ class EngineGate:
                 or self.state is not EngineState.FRESH):
             return None
         limit = self.limits.max_inflight + self.limits.engine_queue_slots
-        return _WorkAhead.of(self._inflight, rate, now, self.reserved_tokens - capacity,
+        return _WorkAhead.of(self._inflight.values(), rate, now, self.reserved_tokens - capacity,
                              len(self._inflight) + 1 - limit)
 
     def _learn_generation(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
@@ -770,12 +802,14 @@ class EngineGate:
         if ticket.state is not TicketState.ADMITTED:
             return []
         ticket.state = TicketState.DONE
-        if ticket in self._inflight:
-            self._inflight.discard(ticket)
+        if self._inflight.get(ticket.id) is ticket:
+            self._drop_open(ticket)
             self._completions.append(now)
             assert ticket.admitted_at is not None
             if self.state is EngineState.FRESH:  # otherwise the next good scrape sees the truth
                 self._finished.append(_Finished(ticket.admitted_at, now, ticket.reserved, ticket.owner))
+                if self._seen is not None:
+                    self._seen.add_finished(ticket.admitted_at, ticket.reserved)
         return self._release(now)
 
     def end(self, ticket_id: int, now: float) -> list[Decision]:
@@ -818,7 +852,7 @@ class EngineGate:
 
     def renew(self, owner: str, until: float) -> None:
         """`owner` vouches for all its tickets until `until`."""
-        for t in itertools.chain(self._queue, self._inflight):
+        for t in itertools.chain(self._queue, self._inflight.values()):
             if t.owner == owner:
                 t.lease_until = until
 
@@ -828,7 +862,7 @@ class EngineGate:
 
         An admitted one is not counted as finished: if its request still runs at the engine, the
         next scrape charges it to `others`. Returns the dropped tickets and the decisions."""
-        dead = [t for t in itertools.chain(self._queue, self._inflight)
+        dead = [t for t in itertools.chain(self._queue, self._inflight.values())
                 if t.lease_until is not None and t.lease_until < now]
         if not dead:
             return [], []
@@ -836,26 +870,28 @@ class EngineGate:
             if t.state is TicketState.PARKED:
                 self._queue.remove(t)
             else:
-                self._inflight.discard(t)
+                self._drop_open(t)
             t.state = TicketState.DONE
         return dead, self._release(now)
 
     def keep_only(self, owner: str) -> None:
         """Forget every other replica's tickets: this gate becomes `owner`'s own soft view."""
         self._queue = deque(t for t in self._queue if t.owner == owner)
-        self._inflight = {t for t in self._inflight if t.owner == owner}
+        self._inflight = {i: t for i, t in self._inflight.items() if t.owner == owner}
         self._finished = [f for f in self._finished if f.owner == owner]
+        self._forget_counts()
 
     def replace_owner(self, owner: str, tickets: list[Ticket]) -> None:
         """Put `owner`'s current tickets in place of whatever this gate held for it (a replica
         re-registers after running on its own): parked ones join the FIFO by arrival time."""
         self._queue = deque(t for t in self._queue if t.owner != owner)
-        self._inflight = {t for t in self._inflight if t.owner != owner}
+        self._inflight = {i: t for i, t in self._inflight.items() if t.owner != owner}
         for t in tickets:
             if t.state is TicketState.ADMITTED and t.counted:
-                self._inflight.add(t)
+                self._inflight[t.id] = t
             elif t.state is TicketState.PARKED:
                 self._queue.append(t)
+        self._forget_counts()
         self._queue = deque(sorted(self._queue, key=lambda t: (t.arrived, t.id)))
 
     # --- serialisation (shared ledger) ----------------------------------------------------
@@ -866,7 +902,7 @@ class EngineGate:
             "snap": None if snap is None else list(astuple(snap)),
             "fp": self._failed_polls,
             "q": [t.to_state() for t in self._queue],
-            "in": [t.to_state() for t in sorted(self._inflight, key=lambda t: t.id)],
+            "in": [t.to_state() for _, t in sorted(self._inflight.items())],
             "fin": [[f.admitted_at, f.finished_at, f.reserved, f.owner] for f in self._finished],
             "done": list(self._completions),
             "ob": self._others_before,
@@ -886,8 +922,9 @@ class EngineGate:
         gate._snapshot = None if snap is None else EngineSnapshot(*snap)
         gate._failed_polls = state["fp"]
         gate._queue = deque(Ticket.from_state(t) for t in state["q"])
-        gate._inflight = {Ticket.from_state(t) for t in state["in"]}
+        gate._inflight = {t.id: t for t in map(Ticket.from_state, state["in"])}
         gate._finished = [_Finished(*f) for f in state["fin"]]
+        gate._forget_counts()
         gate._completions = deque(state["done"], maxlen=RATE_WINDOW)
         gate._others_before = state["ob"]
         gate._generation_mean = state.get("gm")
@@ -906,8 +943,18 @@ class EngineGate:
         if outcome is not Outcome.ADMITTED_FAIL_OPEN:
             ticket.counted = True
             ticket.reserved = self.cost(ticket) if self._budgeting else 0
-            self._inflight.add(ticket)
+            self._inflight[ticket.id] = ticket
+            self._reserved += ticket.reserved
+            if self._seen is not None:
+                self._seen.add_open(now, ticket.reserved, 1)
         return Decision(ticket, outcome)
+
+    def _drop_open(self, ticket: Ticket) -> None:
+        """`ticket` is no longer open (finished, or its lease ran out)."""
+        del self._inflight[ticket.id]
+        self._reserved -= ticket.reserved
+        if self._seen is not None:
+            self._seen.add_open(ticket.admitted_at, ticket.reserved, -1)
 
     def _may_backfill(self, ticket: Ticket, now: float) -> bool:
         """Whether `ticket` may pass the queue head without delaying it (see module docstring)."""
@@ -920,7 +967,7 @@ class EngineGate:
         if now - head.arrived >= BACKFILL_PATIENCE * self.limits.max_park_seconds:
             return False
         cost = self.cost(ticket)
-        largest = max((t.reserved for t in self._inflight), default=0)
+        largest = max((t.reserved for t in self._inflight.values()), default=0)
         return cost <= available and available - cost + largest >= self.cost(head)
 
     def _release(self, now: float) -> list[Decision]:
@@ -965,7 +1012,7 @@ class _WorkAhead:
     full_smallest: tuple[float, ...]
 
     @classmethod
-    def of(cls, tickets: set[Ticket], rate: float, now: float, excess: int, ends: int) -> _WorkAhead:
+    def of(cls, tickets: Iterable[Ticket], rate: float, now: float, excess: int, ends: int) -> _WorkAhead:
         full: list[tuple[float, int]] = []
         capped: list[tuple[float, int]] = []
         oldest = now

@@ -316,3 +316,58 @@ def test_load_our_requests_cannot_explain_is_still_counted() -> None:
     assert gate.effective_load() == 3
     assert arrive(gate, 6.2)[1] is Outcome.ADMITTED
     assert arrive(gate, 6.3)[1] is Outcome.PARKED
+
+
+# --- the counts kept as tickets come and go ------------------------------------------------------
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.integers(1, 3000)),
+    st.tuples(st.just("finish"), st.integers(0, 50)),
+    st.tuples(st.just("observe"), st.integers(0, 6), st.integers(0, 3), st.floats(0.0, 1.0),
+              st.floats(0.0, 1.5)),
+    st.tuples(st.just("poll_failed")),
+    st.tuples(st.just("lease"), st.floats(-0.5, 1.0)),
+    st.tuples(st.just("keep_only")),
+    st.tuples(st.just("wait"), st.floats(0.0, 0.7)),
+), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_the_kept_counts_match_a_recount_after_any_sequence_of_events(ops: list[tuple]) -> None:
+    """What the gate keeps per ticket (reserved KV; ours the scrape saw surely, maybe, and their KV)
+    is what a gate rebuilt from its state, which counts everything afresh, computes."""
+    budget = limits(max_inflight=6, max_queue_depth=4, scrape_grace_seconds=0.5, stale_after_polls=2)
+    gate, now = EngineGate(budget), 0.0
+    gate.observe(EngineSnapshot(0, 0, 0.0, 0.0, capacity_tokens=16_384, block_size=16), now)
+    open_tickets: list[Ticket] = []
+    for op in ops:
+        kind = op[0]
+        if kind == "arrive":
+            decision = gate.arrive(Ticket(model="m", arrived=now, tokens=op[1], generation=op[1] // 4), now)
+            released = [decision]
+        elif kind == "finish" and open_tickets:
+            released = gate.finish(open_tickets.pop(op[1] % len(open_tickets)), now)
+        elif kind == "observe":
+            _, running, waiting, kv, lag = op
+            released = gate.observe(EngineSnapshot(running, waiting, kv, max(0.0, now - lag), capacity_tokens=16_384,
+                                                   block_size=16), now)
+        elif kind == "poll_failed":
+            released = gate.poll_failed(now)
+        elif kind == "lease":
+            gate.renew("", now + op[1])
+            dead, released = gate.purge_expired(now)
+            open_tickets = [t for t in open_tickets if t not in dead]
+        elif kind == "keep_only":
+            gate.keep_only("")
+            released = []
+        else:
+            now += op[1] if kind == "wait" else 0.0
+            released = []
+        open_tickets += [d.ticket for d in released if d.outcome in (Outcome.ADMITTED, Outcome.ADMITTED_AFTER_PARK)]
+        recounted = EngineGate.from_state(budget, gate.to_state())
+        assert gate.reserved_tokens == recounted.reserved_tokens == sum(t.reserved for t in gate.admitted())
+        assert gate.effective_load() == recounted.effective_load()
+        assert gate.available_tokens() == recounted.available_tokens()
+        assert gate.is_open() == recounted.is_open()
+        now += 0.05
