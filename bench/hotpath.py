@@ -738,7 +738,7 @@ def _probe_ext_proc(port: int, answer: str, ready: Any, seen: list[str]) -> None
     import grpc
     from google.protobuf import struct_pb2
 
-    from extproc.contract import ROUTE_HEADER
+    from extproc.contract import ROUTE_HEADER, ROUTE_METADATA_KEY, ROUTE_METADATA_NAMESPACE
     from extproc.wire import base_pb2, http_status_pb2, pb, pb_grpc
 
     class Probe(pb_grpc.ExternalProcessorServicer):
@@ -763,7 +763,7 @@ def _probe_ext_proc(port: int, answer: str, ready: Any, seen: list[str]) -> None
                         details="admission_probe")))
                     return
                 metadata = struct_pb2.Struct()
-                metadata.update({"admission": {"engine": "a"}})
+                metadata.update({ROUTE_METADATA_NAMESPACE: {ROUTE_METADATA_KEY: "a"}})
                 header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=ROUTE_HEADER, raw_value=b"a"))
                 await context.write(pb.ProcessingResponse(dynamic_metadata=metadata, request_body=pb.BodyResponse(
                     response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]),
@@ -785,7 +785,8 @@ def _probe_config(upstream_url: str, grpc_port: int, port: int, admin: int, vari
     headers phase skipped: `skip` (per-route processing mode SKIP + BUFFERED, the endpoint named in
     the stream's gRPC metadata; only for POSTs with a non-zero content-length unless `unguarded`),
     `buffer` (Envoy's buffer filter after ext_proc on that route), `metadata` (engines routed on the
-    service's dynamic metadata instead of its header)."""
+    service's dynamic metadata, as the product does; without it, on the service's header, as the
+    product did before)."""
     import tempfile as _tempfile
 
     from extproc.config import load_settings
@@ -802,19 +803,17 @@ def _probe_config(upstream_url: str, grpc_port: int, port: int, admin: int, vari
                                 admin_port=admin, extproc_host="127.0.0.1", extproc_port=grpc_port)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"][0]["typed_config"]["request_attributes"] = ["request.id"]
-    if "metadata" in variant:
-        namespaces = {"untyped": ["admission"]}
-        hcm["http_filters"][0]["typed_config"]["metadata_options"] = {"receiving_namespaces": namespaces}
+    if "two-engines" in variant and "metadata" not in variant:
+        del hcm["http_filters"][0]["typed_config"]["metadata_options"]
     if "buffer" in variant:
         hcm["http_filters"].insert(1, {"name": _BUFFER_FILTER, "disabled": True, "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
             "max_request_bytes": settings.max_body_bytes}})
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
         match = route["match"]
-        if "metadata" in variant and any(h["name"] == "x-admission-engine" for h in match.get("headers", [])):
-            engine = match.pop("headers")[0]["string_match"]["exact"]
-            match["dynamic_metadata"] = [{"filter": "admission", "path": [{"key": "engine"}],
-                                          "value": {"string_match": {"exact": engine}}}]
+        if "metadata" not in variant and "dynamic_metadata" in match:
+            engine = match.pop("dynamic_metadata")[0]["value"]["string_match"]["exact"]
+            match["headers"] = [{"name": "x-admission-engine", "string_match": {"exact": engine}}]
         if match.get("path") != PATH:
             continue
         if "unguarded" not in variant:

@@ -6,8 +6,14 @@ stream) import these names; a value changed here changes both sides together.
 
 from __future__ import annotations
 
-#: The engine the service chose for an admitted request; Envoy routes on it (exact match).
+#: The engine the service chose for an admitted request, as a request header the engine sees
+#: (where Envoy still has the headers: a one-message route has passed them on already).
 ROUTE_HEADER = "x-admission-engine"
+#: With several engines Envoy routes on the engine the service chose, written by the service into
+#: this dynamic metadata (namespace, key) of the request: something no client can set, and which,
+#: unlike a header, a body answer can set when the headers phase was skipped.
+ROUTE_METADATA_NAMESPACE = "llm_admission"
+ROUTE_METADATA_KEY = "engine"
 #: The outcome of every answer the gateway gives itself (`outcomes.Outcome` values).
 OUTCOME_HEADER = "x-admission-outcome"
 #: Request headers with this prefix are removed as the request enters Envoy (client-set ones), so
@@ -29,7 +35,7 @@ MAX_PARK_SECONDS = MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS - 2 * PARK_TIMEOUT_MARGI
 #: The request headers the service reads (the path, method and body headers it classifies by, the
 #: request id for its logs); Envoy's ext_proc `forward_rules` sends it only these.
 READ_REQUEST_HEADERS = (":method", ":path", "content-length", "content-type", "x-request-id")
-#: One-message routes (one engine): for a POST to a gated JSON path that declares a body
+#: One-message routes: for a POST to a gated JSON path that declares a body
 #: (`content-length` matching DECLARED_BODY_REGEX), Envoy skips the request headers phase and sends
 #: the whole body as the stream's only message. The route names its gated path in this gRPC
 #: metadata key, and the request id comes as this ext_proc request attribute.

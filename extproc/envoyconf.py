@@ -28,8 +28,8 @@ go to that cluster; every other path (`/v1/models`, `/health`, `/tokenize`, ...)
 second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
 long generations never starve health checks and model listings.
 
-One message per request where it is safe (one engine; measured on a do-nothing ext_proc: 1,960 ->
-3,470 requests/s): a POST to a gated JSON path that declares a body (`content-length` of at least
+One message per request where it is safe (measured on a do-nothing ext_proc: 1,960 -> 3,470
+requests/s): a POST to a gated JSON path that declares a body (`content-length` of at least
 one byte: the HTTP codecs then guarantee the body comes) takes a route of its own whose ext_proc
 override skips the request headers phase (body mode BUFFERED), names the gated path in the
 stream's gRPC metadata and enables Envoy's buffer filter after ext_proc. Without that buffer
@@ -37,13 +37,18 @@ filter Envoy 1.40 passes a skipped headers phase straight on to the router, whic
 upstream request before the service has decided (`python -m bench.hotpath --probe-one-message`);
 with it the headers wait for the body, and the body waits for the service's answer. Everything
 else on a gated path (no or chunked body, another method, multipart uploads, which may exceed the
-cap, escaped separators) keeps the two messages. With several engines every gated request keeps
-them: Envoy applies no header mutation from a body answer when it skipped the headers phase, and
-the service's header is what routes among engines.
+cap, escaped separators) keeps the two messages.
+
+With several engines Envoy routes on the engine the service names in the request's dynamic
+metadata (`llm_admission.engine`, the only namespace ext_proc may write), with the route chosen
+again after its answer: a header would not do, since Envoy applies no header mutation from a body
+answer when it skipped the headers phase. A one-message route is the route until then, and it
+answers `engine_not_selected` if the service named no engine; so does every gated path.
 
 Every request header starting with `x-admission-` is removed as the request enters Envoy (HCM
-early header mutation, before routing): only the service sets `x-admission-engine`, so a client
-cannot pick an engine, on gated paths, ungated paths, or while the service is down.
+early header mutation, before routing): a client can neither pose as the service's answer nor
+hand the engine an `x-admission-engine` of its own, on gated paths, ungated paths, or while the
+service is down; and no client can set dynamic metadata.
 
 `failure_mode_allow` is the explicit choice for "the admission service is down": `open` (default)
 forwards requests ungated, so an admission outage never becomes an inference outage; `closed`
@@ -91,7 +96,8 @@ from .contract import (
     PARK_TIMEOUT_MARGIN_SECONDS,
     READ_REQUEST_HEADERS,
     REQUEST_ID_ATTRIBUTE,
-    ROUTE_HEADER,
+    ROUTE_METADATA_KEY,
+    ROUTE_METADATA_NAMESPACE,
     SERVICE_REPLY_DETAILS_PREFIX,
     STRIPPED_HEADER_PREFIX,
     UNGATED_CLUSTER_SUFFIX,
@@ -230,8 +236,11 @@ def engine_bound(settings: Settings, engine: EngineConfig) -> int:
 
 
 def _route(match: dict[str, Any], cluster: str, engine: EngineConfig | None = None) -> dict[str, Any]:
+    """A route to `cluster`; with `engine`, only for requests the service admitted to it."""
     if engine is not None:
-        match = {**match, "headers": [{"name": ROUTE_HEADER, "string_match": {"exact": engine.name}}]}
+        match = {**match, "dynamic_metadata": [{
+            "filter": ROUTE_METADATA_NAMESPACE, "path": [{"key": ROUTE_METADATA_KEY}],
+            "value": {"string_match": {"exact": engine.name}}}]}
     return {"match": match, "route": {"cluster": cluster, "timeout": "0s"}}
 
 
@@ -248,13 +257,16 @@ _ONE_MESSAGE_MODE = {
 }
 
 
-def _one_message_route(settings: Settings, path: str, cluster: str) -> dict[str, Any]:
+def _one_message_route(settings: Settings, path: str, action: dict[str, Any]) -> dict[str, Any]:
     """A POST to gated `path` declaring a body: ext_proc gets the body alone (the path in the stream's
-    metadata), and the buffer filter holds the request until the service has answered."""
-    route = _route({"path": path, "headers": [
+    metadata), and the buffer filter holds the request until the service has answered. `action`:
+    the one engine's cluster, or (several engines) the answer when the service named no engine,
+    since its answer makes Envoy choose the route again, among the engines' routes."""
+    match = {"path": path, "headers": [
         {"name": ":method", "string_match": {"exact": "POST"}},
         {"name": "content-length", "string_match": {"safe_regex": {"regex": DECLARED_BODY_REGEX}}},
-    ]}, cluster)
+    ]}
+    route: dict[str, Any] = {"match": match, **action}
     route["typed_per_filter_config"] = {
         _EXT_PROC: {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
@@ -270,25 +282,29 @@ def _one_message_route(settings: Settings, path: str, cluster: str) -> dict[str,
 
 
 def _routes(settings: Settings, bound: bool, one_message: bool) -> list[dict[str, Any]]:
-    """Gated paths to each engine's bounded cluster (by the service's header with several engines,
-    503 when it named none; the first engine's with one, first by the one-message routes when
-    `one_message`); everything else to the first engine's ungated cluster."""
+    """Gated paths to each engine's bounded cluster (by the service's metadata with several engines,
+    503 when it named none; the first engine's with one), the one-message routes first when
+    `one_message`; everything else to the first engine's ungated cluster."""
     engines, first = settings.engines, settings.engines[0]
     if not settings.gating or not bound:
         routes = [_route({"prefix": "/"}, e.cluster, e) for e in engines] if len(engines) > 1 else []
         return routes + [_route({"prefix": "/"}, first.cluster)]
     gated: list[dict[str, Any]] = [{"path": path} for path in settings.gated_paths]
     gated.append({"safe_regex": {"regex": ESCAPED_SEPARATOR_REGEX}})
+    one_message_paths = [p for p in settings.gated_paths if one_message and not endpoint_for(p).multipart]
     if len(engines) > 1:
-        routes = [_route(m, e.cluster, e) for e in engines for m in gated]
         # No engine named: the service did not answer (down, or late and Envoy failed open). Only
         # it knows which engine serves the model, so Envoy answers 503 rather than guess
-        # (`engine_not_selected`, a local reply with details `direct_response`).
-        routes += [{"match": m, "direct_response": {"status": ENVOY_REJECTIONS[Outcome.ENGINE_NOT_SELECTED].status}}
-                   for m in gated]
+        # (`engine_not_selected`, a local reply with details `direct_response`). A one-message
+        # route answers so too: it is the route until the service's answer names an engine, after
+        # which Envoy chooses again and finds that engine's route, listed first.
+        unnamed = {"direct_response": {"status": ENVOY_REJECTIONS[Outcome.ENGINE_NOT_SELECTED].status}}
+        routes = [_route(m, e.cluster, e) for e in engines for m in gated]
+        routes += [_one_message_route(settings, path, unnamed) for path in one_message_paths]
+        routes += [{"match": m, **unnamed} for m in gated]
     else:
-        routes = [_one_message_route(settings, path, first.cluster) for path in settings.gated_paths
-                  if one_message and not endpoint_for(path).multipart]
+        routes = [_one_message_route(settings, path, {"route": {"cluster": first.cluster, "timeout": "0s"}})
+                  for path in one_message_paths]
         routes += [_route(m, first.cluster) for m in gated]
     routes.append(_route({"prefix": "/"}, first.cluster + UNGATED_CLUSTER_SUFFIX))
     return routes
@@ -458,7 +474,7 @@ def build_envoy_config(
 
     engines = settings.engines
     bound_engines = bound_engines and settings.gating
-    one_message = ext_proc and bound_engines and len(engines) == 1
+    one_message = ext_proc and bound_engines
     routes = _routes(settings, bound_engines, one_message)
 
     ext_proc_filter: dict[str, Any] = {
@@ -483,6 +499,8 @@ def build_envoy_config(
         ext_proc_filter["status_on_error"] = {"code": 503}
     if one_message:
         ext_proc_filter["request_attributes"] = [REQUEST_ID_ATTRIBUTE]  # sent with the first message, headers or body
+    if ext_proc and len(engines) > 1:  # the service names the engine there; nothing else may be written
+        ext_proc_filter["metadata_options"] = {"receiving_namespaces": {"untyped": [ROUTE_METADATA_NAMESPACE]}}
     filters: list[dict[str, Any]] = []
     if ext_proc:
         filters.append({"name": _EXT_PROC, "typed_config": ext_proc_filter})
@@ -499,9 +517,9 @@ def build_envoy_config(
         "merge_slashes": True,
         "stream_idle_timeout": _seconds(idle),
         "generate_request_id": True,
-        # Before routing and before any filter: a client must never choose the engine (the routes
-        # match `x-admission-engine`) or pose as the service's answer, and this holds even when
-        # the service is down and Envoy fails open.
+        # Before routing and before any filter: a client must never pose as the service's answer
+        # or pass the engine a header the service sets, and this holds even when the service is
+        # down and Envoy fails open.
         "early_header_mutation_extensions": [
             {
                 "name": "envoy.http.early_header_mutation.header_mutation",

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from .admission import Admission
 from .classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, classify_route, route
@@ -57,6 +57,8 @@ from .contract import (
     READ_REQUEST_HEADERS,
     REQUEST_ID_ATTRIBUTE,
     ROUTE_HEADER,
+    ROUTE_METADATA_KEY,
+    ROUTE_METADATA_NAMESPACE,
     SERVICE_REPLY_DETAILS_PREFIX,
 )
 from .endpoints import PathRules
@@ -413,13 +415,19 @@ def _park_response(engine: EngineConfig) -> pb.ProcessingResponse:
 
 
 def _admitted_response(engine: EngineConfig, multi_engine: bool) -> pb.ProcessingResponse:
+    """Admitted to `engine`: with several engines, its name in the metadata Envoy routes on (and
+    the route chosen again); the header for the engine's side, where Envoy still holds the headers."""
+    metadata = struct_pb2.Struct()
+    if multi_engine:
+        metadata.update({ROUTE_METADATA_NAMESPACE: {ROUTE_METADATA_KEY: engine.name}})
     return pb.ProcessingResponse(
         request_body=pb.BodyResponse(
             response=pb.CommonResponse(
                 header_mutation=pb.HeaderMutation(set_headers=[_header(ROUTE_HEADER, engine.name)]),
                 clear_route_cache=multi_engine,
             )
-        )
+        ),
+        dynamic_metadata=metadata if multi_engine else None,
     )
 
 

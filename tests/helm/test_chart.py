@@ -305,17 +305,20 @@ def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) ->
     assert mistral["endpoint"]["address"]["socket_address"] == {"address": "mistral.models.svc.cluster.local",
                                                                 "port_value": 80}
     routes = _hcm(r.envoy)["route_config"]["virtual_hosts"][0]["routes"]
-    picked = [(rt["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"),
+    picked = [(rt["match"].get("dynamic_metadata", [{}])[0].get("value", {}).get("string_match", {}).get("exact"),
                rt["route"]["cluster"] if "route" in rt else rt["direct_response"])
               for rt in routes]
     gated = len(r.values["admission"]["gatedPaths"]) + 1  # each gated path + escaped separators
+    one_message = sum(1 for rt in routes if "typed_per_filter_config" in rt)  # a POST declaring its body
+    assert one_message == sum(1 for p in r.values["admission"]["gatedPaths"] if not p.startswith("/v1/audio/"))
     # No engine named by the service: 503 engine_not_selected, never a guess.
     assert picked == (
         [("qwen", "engine_qwen")] * gated + [("llama", "engine_llama")] * gated
-        + [("mistral-small", "engine_mistral-small")] * gated + [(None, {"status": 503})] * gated
+        + [("mistral-small", "engine_mistral-small")] * gated + [(None, {"status": 503})] * (one_message + gated)
         + [(None, "engine_qwen_ungated")])
-    assert all(rt["match"].get("headers", [{}])[0].get("name", "x-admission-engine") == "x-admission-engine"
-               for rt in routes)
+    # The engine is named only in the service's metadata, never by a header a client could send.
+    assert all(m["filter"] == "llm_admission" for rt in routes for m in rt["match"].get("dynamic_metadata", []))
+    assert not any(h["name"].startswith("x-admission-") for rt in routes for h in rt["match"].get("headers", []))
     # One engine: gated paths to its bounded cluster without a header match, the rest ungated.
     single = _hcm(chart.render().envoy)["route_config"]["virtual_hosts"][0]["routes"]
     assert {rt["route"]["cluster"] for rt in single[:-1]} == {"engine_vllm"}

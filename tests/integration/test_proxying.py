@@ -87,12 +87,24 @@ def test_several_engines_are_routed_by_model(make_stack, tmp_path: Path) -> None
     other.start()
     try:
         stack = make_stack(two_engine_env(tmp_path, sim_port, other_port, "other-model"), sim_port=sim_port)
-        a = post(f"{stack.url}/v1/chat/completions", chat_body(model="sim-model"), {"x-request-id": "to-a"})
-        b = post(f"{stack.url}/v1/chat/completions", chat_body(model="other-model", model_last=True),
-                 {"x-request-id": "to-b"})
-        assert (a.status, a.json()["model"]) == (200, "sim-model")
-        assert (b.status, b.json()["model"]) == (200, "other-model")
+
+        def sent(body: bytes, request_id: str, chunked: bool = False) -> tuple[dict, int]:
+            """The answer, and how many messages the service got for the request."""
+            before = stack.envoy_stat(r"^http\.inference\.ext_proc\.stream_msgs_sent$")
+            reply = post(f"{stack.url}/v1/chat/completions", body, {"x-request-id": request_id}, chunked=chunked)
+            assert reply.status == 200, reply.body
+            return reply.json(), stack.envoy_stat(r"^http\.inference\.ext_proc\.stream_msgs_sent$") - before
+
+        # A POST declaring its body is one message (the body alone) with several engines too: the
+        # service names the engine in the request's metadata and Envoy chooses the route again.
+        a, messages_a = sent(chat_body(model="sim-model"), "to-a")
+        b, messages_b = sent(chat_body(model="other-model", model_last=True), "to-b")
+        assert (a["model"], messages_a) == ("sim-model", 1)
+        assert (b["model"], messages_b) == ("other-model", 1)
+        # A chunked body keeps two messages (headers, then the body) and the same routing.
+        c, messages_c = sent(chat_body(model="other-model"), "to-b-chunked", chunked=True)
+        assert (c["model"], messages_c) == ("other-model", 2)
         assert stack.arrivals() == ["to-a"]
-        assert stack.metric("admission_admitted_total", engine="b", model="other-model") == 1
+        assert stack.metric("admission_admitted_total", engine="b", model="other-model") == 2
     finally:
         other.stop()

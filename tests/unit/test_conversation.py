@@ -54,9 +54,14 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def admitted(engine: str = "default", several_engines: bool = False) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+    """Admitted to `engine`; with several engines, named where Envoy routes (the request's dynamic
+    metadata) and the route chosen again."""
+    answer = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
         header_mutation=pb.HeaderMutation(set_headers=[_set("x-admission-engine", engine)]),
         clear_route_cache=several_engines)))
+    if several_engines:
+        answer.dynamic_metadata.update({"llm_admission": {"engine": engine}})
+    return answer
 
 
 def rejected(status: int, outcome: str, error_type: str, message: str,

@@ -103,15 +103,31 @@ def test_with_one_engine_a_post_declaring_a_body_to_a_json_endpoint_is_one_messa
     assert _ext_proc(doc)["request_attributes"] == ["request.id"]
 
 
-def test_several_engines_no_ext_proc_or_nothing_gated_keep_two_messages(tmp_path: Path) -> None:
-    engines = tmp_path / "engines.yaml"
-    engines.write_text("engines:\n  - {name: a, url: 'http://127.0.0.1:8000', models: [qwen]}\n"
-                       "  - {name: b, url: 'http://127.0.0.1:8001', models: [llama]}\n")
-    for doc in (build_envoy_config(load_settings({"EXTPROC_CONFIG": str(engines)})),
-                build_envoy_config(load_settings(LOCAL_ENV), ext_proc=False),
+def test_no_ext_proc_or_nothing_gated_keeps_two_messages() -> None:
+    for doc in (build_envoy_config(load_settings(LOCAL_ENV), ext_proc=False),
                 build_envoy_config(load_settings({"ADMISSION_OBSERVE_MODELS": ""}))):
         assert _one_message_routes(doc) == []
         assert "envoy.filters.http.buffer" not in [f["name"] for f in _hcm(doc)["http_filters"]]
+
+
+def test_with_several_engines_a_one_message_route_answers_503_until_the_service_names_an_engine(
+        tmp_path: Path) -> None:
+    engines = tmp_path / "engines.yaml"
+    engines.write_text("engines:\n  - {name: a, url: 'http://127.0.0.1:8000', models: [qwen]}\n"
+                       "  - {name: b, url: 'http://127.0.0.1:8001', models: [llama]}\n")
+    settings = load_settings({"EXTPROC_CONFIG": str(engines)})
+    doc = build_envoy_config(settings)
+    routes = _hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
+    one = _one_message_routes(doc)
+    assert [r["match"]["path"] for r in one] == [p for p in settings.gated_paths if not p.startswith("/v1/audio/")]
+    # Only the first choice: the service's answer makes Envoy choose again, and the engines'
+    # routes come first; a route the service named no engine for answers engine_not_selected.
+    first = routes.index(one[0])
+    assert all("dynamic_metadata" in r["match"] for r in routes[:first])
+    assert all(r["direct_response"] == {"status": 503} and "dynamic_metadata" not in r["match"] for r in one)
+    assert _ext_proc(doc)["metadata_options"] == {"receiving_namespaces": {"untyped": ["llm_admission"]}}
+    assert "envoy.filters.http.buffer" in [f["name"] for f in _hcm(doc)["http_filters"]]
+    _validate(yaml.safe_dump(doc), tmp_path)
 
 
 def test_envoys_own_413_names_the_limit() -> None:
@@ -141,7 +157,7 @@ def test_stream_idle_timeout_below_the_park_cap_is_refused() -> None:
         build_envoy_config(load_settings(LOCAL_ENV), stream_idle_timeout=60)
 
 
-def test_several_engines_get_a_cluster_each_and_routes_on_the_routing_header(tmp_path: Path) -> None:
+def test_several_engines_get_a_cluster_each_and_routes_on_the_services_metadata(tmp_path: Path) -> None:
     path = tmp_path / "engines.yaml"
     path.write_text(
         "engines:\n"
@@ -153,13 +169,18 @@ def test_several_engines_get_a_cluster_each_and_routes_on_the_routing_header(tmp
     names = [c["name"] for c in doc["static_resources"]["clusters"]]
     assert names == ["extproc", "engine_big", "engine_small", "engine_big_ungated"]
     routes = _hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    picked = [(r["match"].get("headers", [{}])[0].get("string_match", {}).get("exact"),
+    picked = [(r["match"].get("dynamic_metadata", [{}])[0].get("value", {}).get("string_match", {}).get("exact"),
                r["route"]["cluster"] if "route" in r else r["direct_response"])
               for r in routes]
     gated = len(settings.gated_paths) + 1  # each gated path, and any path with an escaped separator
-    # A gated path without the service's header (it did not answer) is answered 503: no guessing.
+    one_message = len(_one_message_routes(doc))  # a POST declaring a body to a JSON endpoint
+    # A gated path the service named no engine for (it did not answer) is answered 503: no guessing.
     assert picked == ([("big", "engine_big")] * gated + [("small", "engine_small")] * gated
-                      + [(None, {"status": 503})] * gated + [(None, "engine_big_ungated")])
+                      + [(None, {"status": 503})] * (one_message + gated) + [(None, "engine_big_ungated")])
+    for route in routes[:2 * gated]:  # the service's metadata, written where only ext_proc may write
+        (matcher,) = route["match"]["dynamic_metadata"]
+        assert (matcher["filter"], matcher["path"]) == ("llm_admission", [{"key": "engine"}])
+        assert "headers" not in route["match"]
     _validate(yaml.safe_dump(doc), tmp_path)
 
 
