@@ -1,6 +1,6 @@
 """The hot path: the admission service side by side with a do-nothing ext_proc, in one run.
 
-    python -m bench.hotpath [--rounds 3] [--duration 5] [--held 5000] [--quick]
+    python -m bench.hotpath [--rounds 3] [--duration 5] [--held 5000] [--quick] [--skip-held] [--engines N]
 
 Requires `wrk` (Debian: `apt-get install wrk`) for the closed-loop runs.
 
@@ -13,7 +13,9 @@ What runs (all on loopback, each Envoy `--concurrency 1`):
   settings (so the ext_proc processing mode is the product's): one without the ext_proc filter
   (`alone`), one whose ext_proc is a do-nothing grpc.aio server that answers every message Envoy
   sends with the matching CONTINUE and keeps the stream until Envoy ends it (`noop`, started
-  from this file), and one with the admission service, its gate open (`service`).
+  from this file), and one with the admission service, its gate open (`service`). With
+  `--engines N` the ext_proc's config has N engines on the one upstream, and the do-nothing names
+  the first in its body answer, as the service does (Envoy alone keeps one engine).
 
 Each round runs every measurement on the three in turn (the order rotates), so drift on a shared
 machine hits all three alike; the table shows the median over rounds and the spread:
@@ -221,16 +223,30 @@ def upstream_active(admin_url: str) -> int:
 # --- the do-nothing ext_proc ----------------------------------------------------------------------
 
 
-def serve_noop(port: int) -> None:
+def serve_noop(port: int, engine: str | None = None) -> None:
     """A grpc.aio ext_proc that answers every message with the matching CONTINUE, nothing else,
-    with the service's server options; the stream ends when Envoy ends it, as the service's does."""
+    with the service's server options; the stream ends when Envoy ends it, as the service's does.
+    With `engine` (several engines) its body answer names that engine as the service's does, in
+    its header and its metadata, and has Envoy choose the route again: without it, Envoy answers
+    engine_not_selected."""
     import grpc
+    from google.protobuf import struct_pb2
 
-    from extproc.wire import pb, pb_grpc
+    from extproc import contract
+    from extproc.wire import base_pb2, pb, pb_grpc
 
+    body = pb.ProcessingResponse(request_body=pb.BodyResponse())
+    if engine is not None:
+        header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=contract.ROUTE_HEADER,
+                                                                         raw_value=engine.encode()))
+        metadata = struct_pb2.Struct()
+        metadata.update({contract.ROUTE_METADATA_NAMESPACE: {contract.ROUTE_METADATA_KEY: engine}})
+        body = pb.ProcessingResponse(dynamic_metadata=metadata, request_body=pb.BodyResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]),
+                                       clear_route_cache=True)))
     answers = {
         "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
-        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+        "request_body": body,
         "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
         "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
         "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
@@ -260,9 +276,10 @@ def serve_noop(port: int) -> None:
     asyncio.run(main())
 
 
-def start_noop(workdir: Path) -> tuple[Child, int]:
+def start_noop(workdir: Path, engine: str | None = None) -> tuple[Child, int]:
     port = free_port()
-    child = Child("noop", [sys.executable, "-m", "bench.hotpath", "--noop-server", str(port)],
+    child = Child("noop", [sys.executable, "-m", "bench.hotpath", "--noop-server", str(port),
+                           *(["--noop-engine", engine] if engine else [])],
                   dict(os.environ), workdir / "noop.log")
     child.start()
 
@@ -375,10 +392,18 @@ class Bench:
     def start(self) -> None:
         self.upstream, self.upstream_url, self.upstream_admin = start_upstream(self.workdir)
         self.children.append(self.upstream)
-        self.noop, noop_port = start_noop(self.workdir)
+        self.open_env = OPEN_ENV
+        if self.args.engines > 1:  # engine "a" serves the benchmark's model; all share the upstream
+            engines = self.workdir / "engines.yaml"
+            engines.write_text("engines:\n" + "".join(
+                f"  - {{name: {chr(97 + i)}, url: '{self.upstream_url}', models: [{MODEL if i == 0 else f'm{i}'}]}}\n"
+                for i in range(self.args.engines)))
+            self.open_env = {**OPEN_ENV, "ADMISSION_OBSERVE_MODELS": "", "EXTPROC_CONFIG": str(engines)}
+        self.noop, noop_port = start_noop(self.workdir, "a" if self.args.engines > 1 else None)
         self.children.append(self.noop)
         self.proxies: dict[str, LocalStack] = {}
-        self.proxies["alone"] = self._stack("alone", with_extproc=False)
+        # Envoy alone routes to the one upstream: no ext_proc names an engine for it.
+        self.proxies["alone"] = self._stack("alone", env=OPEN_ENV, with_extproc=False)
         self.proxies["noop"] = self._stack("noop", grpc_port=noop_port, start_service=False)
         self.proxies["service"] = self._stack("service")
         body = chat_body(1024)
@@ -391,7 +416,7 @@ class Bench:
                grpc_port: int = 0, start_service: bool = True) -> LocalStack:
         # No overload manager (memory_limit_bytes=None): its connection cap, sized for a container's
         # memory, would refuse the thousands of connections the held runs open on purpose.
-        stack = LocalStack(self.workdir / name, engine_url=self.upstream_url, extproc_env=env or OPEN_ENV,
+        stack = LocalStack(self.workdir / name, engine_url=self.upstream_url, extproc_env=env or self.open_env,
                            with_extproc=with_extproc, grpc_port=grpc_port, envoy_args={"memory_limit_bytes": None})
         self.stacks.append(stack)
         if with_extproc and start_service:
@@ -903,11 +928,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--probe-one-message", action="store_true",
                         help="only probe Envoy's one-message mode (request headers skipped) and print what it did")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="engines in the service's config, all on the one upstream (the model on the first): "
+                             "with several, Envoy routes on the engine the ext_proc names (default: %(default)s)")
     parser.add_argument("--noop-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--noop-engine", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.noop_server:
-        serve_noop(args.noop_server)
+        serve_noop(args.noop_server, args.noop_engine)
         return 0
+    if args.engines < 1 or (args.engines > 1 and not args.skip_held):
+        parser.error("--engines must be >= 1; with several, add --skip-held (the held runs use one engine)")
     if args.probe_one_message:
         with tempfile.TemporaryDirectory(prefix="hotpath-probe-") as tmp:
             rows = one_message_probe(Path(tmp))
@@ -958,6 +989,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parked_1k = extra["held"].get("parked_1kb")
     result = {
         "rounds": args.rounds, "duration_s": args.duration, "held": args.held, "body_bytes": 1024,
+        "engines": args.engines,
         **{c: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary[c].items()} for c in CONFIGS},
         "throughput_vs_noop": round(summary["throughput_vs_noop"], 3),
         "throughput_vs_noop_runs": summary["throughput_vs_noop_runs"],

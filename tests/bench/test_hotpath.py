@@ -83,3 +83,18 @@ def test_bodies_are_exactly_their_size_with_model_last(size: int) -> None:
     assert len(body) == size
     doc = json.loads(body)
     assert list(doc)[-1] == "model" and doc["stream"] is False
+
+
+def test_with_two_engines_every_request_is_routed_by_the_engine_the_ext_proc_names() -> None:
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk not installed")
+    argv = [sys.executable, "-m", "bench.hotpath", "--quick", "--quiet", "--skip-held", "--engines", "2"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["engines"] == 2
+    for name in CONFIGS:  # a request no engine was named for would be answered 503 engine_not_selected
+        assert result[name]["rps_c16"] > 0 and result[name]["bad_answers"] == 0, name
+    refused = subprocess.run([sys.executable, "-m", "bench.hotpath", "--engines", "2"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--skip-held" in refused.stderr
