@@ -120,7 +120,10 @@ def test_with_several_engines_a_request_no_engine_was_chosen_for_is_refused_not_
     reply = post(stack.url + URL, chat_body(model="model-b", max_tokens=2), {"x-request-id": "b"})
     error = _shaped(reply, Outcome.ENGINE_NOT_SELECTED, retry=True)
     assert "does not guess" in error["message"]
-    assert stack.arrivals() == []  # engine a never saw engine b's request
+    # Chunked (two messages, not the one-message route): refused the same way.
+    reply = post(stack.url + URL, chat_body(model="model-b", max_tokens=2), {"x-request-id": "b2"}, chunked=True)
+    _shaped(reply, Outcome.ENGINE_NOT_SELECTED, retry=True)
+    assert stack.arrivals() == []  # engine a never saw engine b's requests
     assert get(stack.url + "/v1/models").status == 200  # ungated paths keep the default route
 
 
