@@ -429,7 +429,8 @@ class EngineGate:
 
         Surely: open ones admitted more than `grace` before the scrape began, and every one
         admitted before it that has finished since. Maybe: open ones admitted within the grace.
-        Counted once per snapshot (`_count_seen`), then kept as tickets come and go (`_track`).
+        Counted once per snapshot (`_count_seen`), then kept as tickets come and go (`_admit`,
+        `_drop_open`, `finish`).
         """
         seen = self._seen
         if seen is None or seen.snap is not snap:
