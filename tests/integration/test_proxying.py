@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -108,3 +109,23 @@ def test_several_engines_are_routed_by_model(make_stack, tmp_path: Path) -> None
         assert stack.metric("admission_admitted_total", engine="b", model="other-model") == 2
     finally:
         other.stop()
+
+
+def test_with_several_engines_a_parked_one_message_request_reaches_its_engine_only_once_admitted(
+        make_stack, tmp_path: Path) -> None:  # noqa: ANN001
+    sim_port = free_port()  # engine a; engine b is never asked here
+    stack = make_stack(two_engine_env(tmp_path, sim_port, free_port(), "model-b"), sim_port=sim_port)
+    stack.pin(running=4, waiting=1)
+    stack.wait_state(lambda s: s["gate_open"] is False, "engine a full", engine="a")
+    sent = stack.envoy_stat(r"^http\.inference\.ext_proc\.stream_msgs_sent$")
+    with ThreadPoolExecutor(1) as pool:
+        parked = pool.submit(post, f"{stack.url}/v1/chat/completions", chat_body(model="sim-model", max_tokens=2),
+                             {"x-request-id": "parked"})
+        stack.wait_state(lambda s: s["queue_depth"] == 1, "the request to park", engine="a")
+        assert stack.arrivals() == []  # held: its route answers no engine until the service names one
+        stack.sim("/control/unpin", {})
+        reply = parked.result(timeout=30)
+    assert (reply.status, reply.json()["model"]) == (200, "sim-model")
+    assert stack.arrivals() == ["parked"]
+    assert stack.envoy_stat(r"^http\.inference\.ext_proc\.stream_msgs_sent$") - sent == 1  # the body alone
+    assert stack.metric("admission_admitted_total", engine="a", via="admitted_after_park") == 1
