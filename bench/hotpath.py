@@ -230,20 +230,12 @@ def serve_noop(port: int, engine: str | None = None) -> None:
     its header and its metadata, and has Envoy choose the route again: without it, Envoy answers
     engine_not_selected."""
     import grpc
-    from google.protobuf import struct_pb2
 
-    from extproc import contract
-    from extproc.wire import base_pb2, pb, pb_grpc
+    from extproc.servicer import admitted_response
+    from extproc.wire import pb, pb_grpc
 
-    body = pb.ProcessingResponse(request_body=pb.BodyResponse())
-    if engine is not None:
-        header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=contract.ROUTE_HEADER,
-                                                                         raw_value=engine.encode()))
-        metadata = struct_pb2.Struct()
-        metadata.update({contract.ROUTE_METADATA_NAMESPACE: {contract.ROUTE_METADATA_KEY: engine}})
-        body = pb.ProcessingResponse(dynamic_metadata=metadata, request_body=pb.BodyResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]),
-                                       clear_route_cache=True)))
+    body = (pb.ProcessingResponse(request_body=pb.BodyResponse()) if engine is None
+            else admitted_response(engine, several_engines=True))
     answers = {
         "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
         "request_body": body,
@@ -761,10 +753,9 @@ def _probe_ext_proc(port: int, answer: str, ready: Any, seen: list[str]) -> None
     `reject` (an ImmediateResponse 429) or `engine-a` (admit to engine `a`, by header and metadata);
     what each message carried goes to `seen`."""
     import grpc
-    from google.protobuf import struct_pb2
 
-    from extproc.contract import ROUTE_HEADER, ROUTE_METADATA_KEY, ROUTE_METADATA_NAMESPACE
-    from extproc.wire import base_pb2, http_status_pb2, pb, pb_grpc
+    from extproc.servicer import admitted_response
+    from extproc.wire import http_status_pb2, pb, pb_grpc
 
     class Probe(pb_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
@@ -787,12 +778,7 @@ def _probe_ext_proc(port: int, answer: str, ready: Any, seen: list[str]) -> None
                         status=http_status_pb2.HttpStatus(code=429),  # type: ignore[arg-type]
                         details="admission_probe")))
                     return
-                metadata = struct_pb2.Struct()
-                metadata.update({ROUTE_METADATA_NAMESPACE: {ROUTE_METADATA_KEY: "a"}})
-                header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=ROUTE_HEADER, raw_value=b"a"))
-                await context.write(pb.ProcessingResponse(dynamic_metadata=metadata, request_body=pb.BodyResponse(
-                    response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]),
-                                               clear_route_cache=True))))
+                await context.write(admitted_response("a", several_engines=True))  # header and metadata
 
     async def serve() -> None:
         server = grpc.aio.server()
@@ -815,6 +801,7 @@ def _probe_config(upstream_url: str, grpc_port: int, port: int, admin: int, vari
     import tempfile as _tempfile
 
     from extproc.config import load_settings
+    from extproc.contract import ROUTE_HEADER
     from extproc.envoyconf import build_envoy_config
 
     env = {"ENGINE_URL": upstream_url, "ADMISSION_OBSERVE_MODELS": MODEL}
@@ -838,7 +825,7 @@ def _probe_config(upstream_url: str, grpc_port: int, port: int, admin: int, vari
         match = route["match"]
         if "metadata" not in variant and "dynamic_metadata" in match:
             engine = match.pop("dynamic_metadata")[0]["value"]["string_match"]["exact"]
-            match["headers"] = [{"name": "x-admission-engine", "string_match": {"exact": engine}}]
+            match["headers"] = [{"name": ROUTE_HEADER, "string_match": {"exact": engine}}]
         if match.get("path") != PATH:
             continue
         if "unguarded" not in variant:

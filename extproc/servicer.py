@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import duration_pb2
 
 from .admission import Admission
 from .classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, classify_route, route
@@ -335,7 +335,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._shared = _Shared(
             settings=settings, admission=admission, metrics=metrics, paths=PathRules(settings.gated_paths),
             models=models or ModelRegistry(settings), estimator=self.estimator,
-            admitted_responses={e.name: _admitted_response(e, multi_engine) for e in settings.engines},
+            admitted_responses={e.name: admitted_response(e.name, multi_engine) for e in settings.engines},
             park_responses={e.name: _park_response(e) for e in settings.engines},
         )
 
@@ -414,21 +414,21 @@ def _park_response(engine: EngineConfig) -> pb.ProcessingResponse:
     )
 
 
-def _admitted_response(engine: EngineConfig, multi_engine: bool) -> pb.ProcessingResponse:
-    """Admitted to `engine`: with several engines, its name in the metadata Envoy routes on (and
-    the route chosen again); the header for the engine's side, where Envoy still holds the headers."""
-    metadata = struct_pb2.Struct()
-    if multi_engine:
-        metadata.update({ROUTE_METADATA_NAMESPACE: {ROUTE_METADATA_KEY: engine.name}})
-    return pb.ProcessingResponse(
+def admitted_response(engine: str, several_engines: bool) -> pb.ProcessingResponse:
+    """The body answer that admits a request to `engine`: with several engines, its name in the
+    metadata Envoy routes on (and the route chosen again); the header for the engine's side, where
+    Envoy still holds the headers. The benchmarks' stand-in ext_procs answer with it too."""
+    answer = pb.ProcessingResponse(
         request_body=pb.BodyResponse(
             response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=[_header(ROUTE_HEADER, engine.name)]),
-                clear_route_cache=multi_engine,
+                header_mutation=pb.HeaderMutation(set_headers=[_header(ROUTE_HEADER, engine)]),
+                clear_route_cache=several_engines,
             )
-        ),
-        dynamic_metadata=metadata if multi_engine else None,
+        )
     )
+    if several_engines:
+        answer.dynamic_metadata.update({ROUTE_METADATA_NAMESPACE: {ROUTE_METADATA_KEY: engine}})
+    return answer
 
 
 _READ_HEADERS = frozenset(READ_REQUEST_HEADERS)
