@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from extproc.config import load_settings
+from extproc.config import ConfigError, load_settings
 from extproc.envoyconf import render_envoy_config
 
 SIM_MODEL = "sim-model"
@@ -111,7 +111,11 @@ class Child:
             out = self._log
         else:
             out = None
-        self.process = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        # Its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches only
+        # the parent, which stops its children in an order that lets the service answer its parked
+        # requests through a still-running Envoy (`LocalStack.drain`).
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                        start_new_session=True)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -344,6 +348,14 @@ class LocalStack:
             if child is not None:
                 child.stop()
 
+    def drain(self) -> None:
+        """Stop as an operator's Ctrl-C should: the service first, while Envoy still carries its
+        answers (parked requests get `503 shutting_down`, admitted ones finish within its grace),
+        then Envoy and the engine."""
+        if self.extproc is not None:
+            self.extproc.stop()
+        self.stop()
+
     def logs(self) -> str:
         parts = []
         for child in (self.sim, self.extproc, self.envoy):
@@ -366,25 +378,119 @@ class LocalStack:
             raise TimeoutError(f"{exc}\n{child.log_tail()}") from None
 
 
-def _discover_models(engine_url: str) -> list[str]:
-    """The served model names of a real engine, from its /v1/models (empty if unreachable)."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        status, body = http_get(f"{engine_url.rstrip('/')}/v1/models", timeout=5.0)
-        if status == 200:
-            return [m["id"] for m in json.loads(body)["data"]]
-    return []
+def _engine_models(engine_url: str) -> tuple[list[str] | None, str]:
+    """The served model names from a real engine's /v1/models, or None and why it gave none."""
+    url = f"{engine_url.rstrip('/')}/v1/models"
+    try:
+        status, body = http_get(url, timeout=5.0)
+    except (OSError, ValueError) as exc:  # refused, timed out, unresolvable, a malformed URL
+        return None, str(getattr(exc, "reason", None) or exc)
+    if status != 200:
+        return None, f"HTTP {status} from {url}"
+    try:
+        return [m["id"] for m in json.loads(body)["data"]], ""
+    except (ValueError, KeyError, TypeError) as exc:
+        return None, f"{url} did not answer an OpenAI model list ({exc.__class__.__name__})"
+
+
+def wait_for_engine(engine_url: str, timeout: float, say: Callable[[str], None],
+                    every: float = 5.0, interval: float = 1.0) -> list[str]:
+    """The engine's model list once its /v1/models answers; says why it does not every `every`
+    seconds, and raises TimeoutError with the last reason after `timeout`. A gateway is never
+    started in front of an engine it cannot reach: it would pass everything ungated."""
+    deadline = time.monotonic() + timeout
+    next_say = 0.0
+    while True:
+        models, reason = _engine_models(engine_url)
+        if models is not None:
+            return models
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"engine unreachable at {engine_url} for {timeout:g} s ({reason}); "
+                               "not starting a gateway that could not gate it")
+        if now >= next_say:
+            say(f"engine unreachable at {engine_url} ({reason}); waiting up to {deadline - now:.0f} s more "
+                "(DEVSTACK_ENGINE_WAIT_SECONDS)")
+            next_say = now + every
+        time.sleep(min(interval, max(0.0, deadline - now)))
+
+
+#: The ports `make run` uses, each with the variable that moves it.
+PORT_VARIABLES = (
+    ("envoy_port", "DEVSTACK_PORT", 8080, "Envoy (send requests here)"),
+    ("envoy_admin_port", "DEVSTACK_ENVOY_ADMIN_PORT", 9901, "Envoy's admin"),
+    ("grpc_port", "DEVSTACK_GRPC_PORT", 9002, "the admission service's gRPC"),
+    ("admin_port", "DEVSTACK_STATUS_PORT", 9003, "the status page and metrics"),
+    ("sim_port", "DEVSTACK_ENGINE_PORT", 8000, "the engine simulator"),
+)
+
+
+def busy_ports(ports: Mapping[str, int]) -> list[str]:
+    """The ports (by name) something on this machine already listens on at 127.0.0.1."""
+    busy = []
+    for name, port in ports.items():
+        with socket.socket() as probe:
+            # As the servers bind: a port held only by connections in TIME_WAIT is free to them.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                busy.append(name)
+    return busy
+
+
+class StartError(Exception):
+    """A reason not to start, said in one line (no traceback)."""
+
+
+def _env_port(variable: str, default: int) -> int:
+    value = os.environ.get(variable, "")
+    if not value:
+        return default
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise StartError(f"{variable}={value!r}: must be a port number (1-65535)")
+    return int(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except StartError as exc:
+        print(f"devstack: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    ports_help = "; ".join(f"{var} ({default}): {what}" for _, var, default, what in PORT_VARIABLES)
     parser = argparse.ArgumentParser(
         prog="python -m devstack",
-        description="Run simulator (or ENGINE_URL) + extproc + Envoy in the foreground; Ctrl-C stops all three.",
+        description="Run the engine simulator (or ENGINE_URL) + the admission service + Envoy in the foreground; "
+                    "Ctrl-C stops them, the service first so that parked requests are answered.",
+        epilog=f"Ports, each checked before anything starts: {ports_help}. "
+               "With ENGINE_URL, the engine must answer /v1/models within DEVSTACK_ENGINE_WAIT_SECONDS (180).",
     )
-    parser.add_argument("--port", type=int, default=8080, help="Envoy listener port (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=None, help="Envoy listener port (default: $DEVSTACK_PORT or 8080)")
     parser.add_argument("--workdir", default="run", help="where configs are written (default: %(default)s)")
     args = parser.parse_args(argv)
 
     engine_url = os.environ.get("ENGINE_URL") or None
+    ports = {name: _env_port(var, default) for name, var, default, _ in PORT_VARIABLES}
+    if args.port is not None:
+        ports["envoy_port"] = args.port
+    if engine_url is not None:
+        del ports["sim_port"]
+    busy = busy_ports(ports)
+    if busy:
+        variables = {name: var for name, var, _, _ in PORT_VARIABLES}
+        named = ", ".join(f"{ports[name]} ({variables[name]})" for name in busy)
+        raise StartError(f"port(s) already in use on 127.0.0.1: {named}; stop what holds them or choose others, "
+                         f"e.g. {variables[busy[0]]}={ports[busy[0]] + 100} make run")
+    wait_s = os.environ.get("DEVSTACK_ENGINE_WAIT_SECONDS", "180")
+    try:
+        engine_wait = float(wait_s)
+    except ValueError:
+        raise StartError(f"DEVSTACK_ENGINE_WAIT_SECONDS={wait_s!r}: must be a number of seconds") from None
+
     extproc_env: dict[str, str] = {"EXTPROC_LOG_FORMAT": os.environ.get("EXTPROC_LOG_FORMAT", "text")}
     for key, value in os.environ.items():
         if key.startswith(("ADMISSION_", "EXTPROC_", "VLLM_", "MAX_BODY", "ENGINE_POLL", "ENGINE_STALE")):
@@ -392,27 +498,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = SIM_MODEL
     if engine_url is None:
         extproc_env.setdefault("ADMISSION_OBSERVE_MODELS", SIM_MODEL)
-    elif "ADMISSION_OBSERVE_MODELS" not in extproc_env and "EXTPROC_CONFIG" not in extproc_env:
-        models = _discover_models(engine_url)
-        if models:
+    else:
+        try:
+            models = wait_for_engine(engine_url, engine_wait, lambda line: print(f"devstack: {line}", flush=True))
+        except TimeoutError as exc:
+            raise StartError(str(exc)) from None
+        if "ADMISSION_OBSERVE_MODELS" not in extproc_env and "EXTPROC_CONFIG" not in extproc_env:
+            if not models:
+                raise StartError(f"the engine at {engine_url} lists no models on /v1/models; "
+                                 "set ADMISSION_OBSERVE_MODELS to the names it serves")
             extproc_env["ADMISSION_OBSERVE_MODELS"] = ",".join(models)
             print(f"devstack: gating the engine's models: {', '.join(models)}", flush=True)
-        else:
-            print(f"devstack: could not list models at {engine_url}/v1/models; admission is OFF "
-                  "(set ADMISSION_OBSERVE_MODELS)", flush=True)
     model = extproc_env.get("ADMISSION_OBSERVE_MODELS", model).split(",")[0]
 
     redis: RedisServer | None = None
-    if extproc_env.get("ADMISSION_LEDGER", "").lower() == "redis" and not extproc_env.get("ADMISSION_REDIS_URL"):
-        redis = RedisServer(Path(args.workdir) / "redis").start()
-        extproc_env["ADMISSION_REDIS_URL"] = redis.url
-        print(f"devstack: shared ledger on a local redis-server at {redis.url}", flush=True)
-
-    stack = LocalStack(
-        workdir=Path(args.workdir), engine_url=engine_url, extproc_env=extproc_env,
-        envoy_port=args.port, envoy_admin_port=9901, grpc_port=9002, admin_port=9003,
-        sim_port=8000, log_to_files=False,
-    )
+    stack = LocalStack(workdir=Path(args.workdir), engine_url=engine_url, extproc_env=extproc_env, log_to_files=False,
+                       envoy_port=ports["envoy_port"], envoy_admin_port=ports["envoy_admin_port"],
+                       grpc_port=ports["grpc_port"], admin_port=ports["admin_port"], sim_port=ports.get("sim_port", 0))
+    try:  # a bad setting is named before anything starts (the service would refuse it the same way)
+        load_settings(stack.service_env())
+    except ConfigError as exc:
+        raise StartError(f"configuration error: {exc}") from None
     stop = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -421,17 +527,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        if extproc_env.get("ADMISSION_LEDGER", "").lower() == "redis" and not extproc_env.get("ADMISSION_REDIS_URL"):
+            redis = RedisServer(Path(args.workdir) / "redis").start()
+            extproc_env["ADMISSION_REDIS_URL"] = redis.url
+            print(f"devstack: shared ledger on a local redis-server at {redis.url}", flush=True)
         stack.start()
+        children = [c.name for c in (stack.sim, stack.extproc, stack.envoy) if c is not None]
         print(
             "\n"
             f"  Envoy (send requests here):  {stack.url}\n"
+            f"  status page:                 {stack.admin_url}/\n"
             f"  admission metrics / state:   {stack.admin_url}/metrics   {stack.admin_url}/debug/engines\n"
-            f"  engine:                      {stack.engine_base}\n\n"
+            f"  engine:                      {stack.engine_base}"
+            f"{'' if engine_url else ' (the embedded simulator)'}\n\n"
             "  Try:\n"
             f"    curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
             f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
             f"\"max_tokens\": 8}}'\n\n"
-            "  Ctrl-C stops all three.\n",
+            f"  Ctrl-C stops all {len(children)} ({', '.join(children)}).\n",
             flush=True,
         )
         while not stop:
@@ -443,9 +556,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except (ChildExited, TimeoutError) as exc:  # the child said why above (its output is this terminal)
+        first = str(exc).splitlines()[0]
+        raise StartError(f"{first.rstrip(':')}; its own message is above") from None
     finally:
-        print("devstack: stopping", flush=True)
-        stack.stop()
+        print("devstack: stopping (the service first: parked requests are answered 503 shutting_down)", flush=True)
+        stack.drain()
         if redis is not None:
             redis.stop()
     return 0
