@@ -66,7 +66,9 @@ class _Engine:
     timer_for: float | None = None  # the park deadline the timer is armed for
     recent: deque[RecentDecision] = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))
     parked: set[int] = field(default_factory=set)  # ids of our parked tickets not yet decided
-    deadlines: dict[int, Ticket] = field(default_factory=dict)  # our parked tickets, for their park_deadline
+    # Our parked tickets, for their park_deadline; in arrival order, which with one park cap per
+    # engine is deadline order (the gate's queue relies on the same), so the first is the earliest.
+    deadlines: dict[int, Ticket] = field(default_factory=dict)
     waiters: dict[int, asyncio.Future[Decision]] = field(default_factory=dict)  # until `wait` collects them
     open: dict[int, Ticket] = field(default_factory=dict)  # ours admitted (counted), stream open, by id
 
@@ -329,8 +331,12 @@ class Admission:
         """Answer `park_timeout` to our parked requests past their cap that the ledger did not decide,
         and drop their tickets from it."""
         entry = self._engines[engine]
-        overdue = [t for i, t in entry.deadlines.items()
-                   if i in entry.parked and t.park_deadline is not None and t.park_deadline <= now]
+        overdue = []
+        for i, t in entry.deadlines.items():
+            if t.park_deadline is None or t.park_deadline > now:
+                break
+            if i in entry.parked:
+                overdue.append(t)
         if not overdue:
             return
         self._metrics.child(self._metrics.park_deadline_local, engine).inc(len(overdue))
@@ -348,7 +354,7 @@ class Admission:
     def _arm_timer(self, engine: str) -> None:
         entry = self._engines[engine]
         deadline = self.gate(engine).next_deadline()
-        mine = min((t.park_deadline for t in entry.deadlines.values() if t.park_deadline is not None), default=None)
+        mine = next(iter(entry.deadlines.values())).park_deadline if entry.deadlines else None
         if mine is not None and (deadline is None or mine < deadline):
             deadline = mine  # ours, even if the ledger's view no longer holds it
         if entry.timer is not None:

@@ -31,6 +31,11 @@ Across replicas:
   Redis answers again it puts its open tickets back in place of whatever the shared state held
   for it, and goes on shared. A decision never waits on Redis longer than `timeout` per call, and
   Redis trouble never fails a request closed.
+- A state lost with no error (FLUSHALL, a restart between two calls, a restore, a failover to a
+  lagging replica): every lifetime of the state has an epoch (its first version), compared with
+  the version. A reply that shows the known state gone (`state_loss`) is counted, logged once,
+  and this replica puts its own tickets back in the current state, as after a restart; another
+  epoch on the events channel makes it check at once.
 
 Time is the wall clock (`time.time()`), shared by replicas: park deadlines, leases and the
 scrape-grace comparisons between one replica's admissions and another's scrapes all use it, so
