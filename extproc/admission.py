@@ -3,7 +3,14 @@ lives in a ledger (`extproc/ledger.py`): this process's memory, or Redis shared 
 
 Every event (arrival, finish, scrape, expiry, shutdown) is one ledger transaction running one
 pure gate method; this class turns the decisions about its own requests into resolved futures,
-keeps one timer for the earliest park deadline, and updates the metrics. All methods run on the
+keeps one timer for the earliest park deadline, and updates the metrics.
+
+The park cap never depends on the ledger: each parked request's deadline is also kept here, and
+if the expiry the timer runs through the ledger has not decided one of this replica's overdue
+requests within `LOCAL_EXPIRY_GRACE_SECONDS` (a shared state that lost it, a ledger that does not
+answer), this replica answers it `park_timeout` itself and drops its ticket from the ledger. So a
+parked client always gets the service's answer before Envoy's own deadline (the cap plus
+`PARK_TIMEOUT_MARGIN_SECONDS`) fails it open. All methods run on the
 event loop thread. With the local ledger no transaction waits, so every event takes effect
 before its caller resumes, as if the gate were called directly.
 
@@ -35,6 +42,9 @@ log = logging.getLogger("extproc.admission")
 
 #: Decisions kept per engine for the status page and /debug/engines.
 RECENT_DECISIONS = 50
+#: How long past a parked request's cap the ledger's expiry may take before this replica answers
+#: the request itself; well inside PARK_TIMEOUT_MARGIN_SECONDS, after which Envoy fails it open.
+LOCAL_EXPIRY_GRACE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,9 @@ class _Engine:
     timer_for: float | None = None  # the park deadline the timer is armed for
     recent: deque[RecentDecision] = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))
     parked: set[int] = field(default_factory=set)  # ids of our parked tickets not yet decided
+    # Our parked tickets, for their park_deadline; in arrival order, which with one park cap per
+    # engine is deadline order (the gate's queue relies on the same), so the first is the earliest.
+    deadlines: dict[int, Ticket] = field(default_factory=dict)
     waiters: dict[int, asyncio.Future[Decision]] = field(default_factory=dict)  # until `wait` collects them
     open: dict[int, Ticket] = field(default_factory=dict)  # ours admitted (counted), stream open, by id
 
@@ -147,11 +160,14 @@ class Admission:
             except BaseException:
                 entry.parked.discard(ticket.id)
                 entry.waiters.pop(ticket.id, None)
+                entry.deadlines.pop(ticket.id, None)
                 raise
             decision = next(d for d in decisions if d.ticket.id == ticket.id)
         if decision.outcome is Outcome.PARKED:
             if ticket.id not in entry.waiters:
                 self._register(entry, ticket.id)
+            if ticket.id in entry.parked:  # not already decided by another replica meanwhile
+                entry.deadlines[ticket.id] = decision.ticket
             self._metrics.parked.labels(engine, model).inc()
             if decision.predicted_wait is not None:  # finite: a parked request's prediction is within the cap
                 self._metrics.child(self._metrics.predicted_wait, engine, self._prediction).observe(
@@ -210,6 +226,7 @@ class Admission:
         entry.waiters.pop(ticket.id, None)
         was_parked = ticket.id in entry.parked
         entry.parked.discard(ticket.id)
+        entry.deadlines.pop(ticket.id, None)
         was_open = entry.open.pop(ticket.id, None) is not None
         if not was_parked and not was_open:
             return  # never entered the gate, or already ended
@@ -275,6 +292,7 @@ class Admission:
             if decision.ticket.id not in entry.parked:
                 continue  # not ours, or already decided
             entry.parked.discard(decision.ticket.id)
+            entry.deadlines.pop(decision.ticket.id, None)
             future = entry.waiters.get(decision.ticket.id)
             if decision.outcome.admits and decision.ticket.counted:
                 entry.open[decision.ticket.id] = decision.ticket
@@ -295,16 +313,50 @@ class Admission:
 
     def _on_timer(self, engine: str) -> None:
         self._engines[engine].timer = self._engines[engine].timer_for = None
-        now = self.now()
+        self._spawn(self._expire(engine, self.now()))
 
-        async def expire() -> None:
+    async def _expire(self, engine: str, now: float) -> None:
+        """Run the gate's expiry through the ledger; then answer whatever of ours it left overdue."""
+        async def through_ledger() -> None:
             self._apply(engine, await self._ledger.transact(engine, lambda g: g.expire(now)))
 
-        self._spawn(expire())
+        expiry = self._spawn(through_ledger())
+        done, _ = await asyncio.wait({expiry}, timeout=LOCAL_EXPIRY_GRACE_SECONDS)
+        if expiry in done and not expiry.cancelled() and expiry.exception() is not None:
+            # The deadline below must hold whatever the ledger did.
+            log.error("park expiry through the ledger failed", exc_info=expiry.exception(), extra={"engine": engine})
+        self._expire_locally(engine, now)
+
+    def _expire_locally(self, engine: str, now: float) -> None:
+        """Answer `park_timeout` to our parked requests past their cap that the ledger did not decide,
+        and drop their tickets from it."""
+        entry = self._engines[engine]
+        overdue = []
+        for i, t in entry.deadlines.items():
+            if t.park_deadline is None or t.park_deadline > now:
+                break
+            if i in entry.parked:
+                overdue.append(t)
+        if not overdue:
+            return
+        self._metrics.child(self._metrics.park_deadline_local, engine).inc(len(overdue))
+        log.warning("parked requests answered at their cap by this replica: the ledger did not decide them",
+                    extra={"engine": engine, "tickets": len(overdue), "shared": self._ledger.shared})
+        self._apply(engine, [Decision(t, Outcome.PARK_TIMEOUT, self._retry_after) for t in overdue])
+        ids = [t.id for t in overdue]
+
+        async def drop() -> None:
+            decisions = await self._ledger.transact(engine, lambda g: [d for i in ids for d in g.end(i, now)])
+            self._apply(engine, decisions)
+
+        self._spawn(drop())
 
     def _arm_timer(self, engine: str) -> None:
         entry = self._engines[engine]
         deadline = self.gate(engine).next_deadline()
+        mine = next(iter(entry.deadlines.values())).park_deadline if entry.deadlines else None
+        if mine is not None and (deadline is None or mine < deadline):
+            deadline = mine  # ours, even if the ledger's view no longer holds it
         if entry.timer is not None:
             if deadline is not None and entry.timer_for is not None and entry.timer_for <= deadline:
                 return

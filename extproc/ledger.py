@@ -31,6 +31,11 @@ Across replicas:
   Redis answers again it puts its open tickets back in place of whatever the shared state held
   for it, and goes on shared. A decision never waits on Redis longer than `timeout` per call, and
   Redis trouble never fails a request closed.
+- A state lost with no error (FLUSHALL, a restart between two calls, a restore, a failover to a
+  lagging replica): every lifetime of the state has an epoch (its first version), compared with
+  the version. A reply that shows the known state gone (`state_loss`) is counted, logged once,
+  and this replica puts its own tickets back in the current state, as after a restart; another
+  epoch on the events channel makes it check at once.
 
 Time is the wall clock (`time.time()`), shared by replicas: park deadlines, leases and the
 scrape-grace comparisons between one replica's admissions and another's scrapes all use it, so
@@ -52,7 +57,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .gate import Decision, EngineGate, GateLimits, Ticket
+from .gate import Decision, EngineGate, GateLimits, Ticket, TicketState
 from .outcomes import Outcome
 
 log = logging.getLogger("extproc.ledger")
@@ -66,25 +71,30 @@ RECOVERY_INTERVAL_SECONDS = 0.5
 
 _LEDGER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
-# KEYS[1] = state hash. ARGV = expected version, new state, channel. Generic compare-and-set:
-# commits only on the version it was computed from, and publishes what it committed. A state
-# that does not exist yet (a new or restarted Redis) starts at the server's time in microseconds,
-# so versions keep increasing across a restart that lost the state.
+# KEYS[1] = state hash. ARGV = expected version, new state, channel, expected epoch. Generic
+# compare-and-set: commits only on the version (and epoch) it was computed from, and publishes what
+# it committed. A state that does not exist yet (a new, restarted or flushed Redis) starts at the
+# server's time in microseconds, so versions keep increasing across a restart that lost the state,
+# and that first version is also the state's epoch (`e`): a replica that finds another epoch than
+# the one it knew, a missing state or a lower version knows the state it knew was lost.
 _COMMIT = """
 local cur = redis.call('HGET', KEYS[1], 'v') or '0'
-if cur ~= ARGV[1] then
-  return {0, cur, redis.call('HGET', KEYS[1], 'state') or ''}
+local e = redis.call('HGET', KEYS[1], 'e') or ''
+if cur ~= ARGV[1] or (cur ~= '0' and e ~= ARGV[4]) then
+  return {0, cur, redis.call('HGET', KEYS[1], 'state') or '', e}
 end
 local v
 if cur == '0' then
   local t = redis.call('TIME')
   v = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  e = v
+  redis.call('HSET', KEYS[1], 'v', v, 'state', ARGV[2], 'e', e)
 else
   v = string.format('%.0f', tonumber(cur) + 1)
+  redis.call('HSET', KEYS[1], 'v', v, 'state', ARGV[2])
 end
-redis.call('HSET', KEYS[1], 'v', v, 'state', ARGV[2])
-redis.call('PUBLISH', ARGV[3], v .. ' ' .. ARGV[2])
-return {1, v, ''}
+redis.call('PUBLISH', ARGV[3], v .. ' ' .. e .. ' ' .. ARGV[2])
+return {1, v, '', e}
 """
 
 
@@ -92,11 +102,28 @@ return {1, v, ''}
 # only when it is not the version the event ran on.
 _CHECK = """
 local cur = redis.call('HGET', KEYS[1], 'v') or '0'
-if cur == ARGV[1] then
-  return {1, cur, ''}
+local e = redis.call('HGET', KEYS[1], 'e') or ''
+if cur == ARGV[1] and (cur == '0' or e == ARGV[2]) then
+  return {1, cur, '', e}
 end
-return {0, cur, redis.call('HGET', KEYS[1], 'state') or ''}
+return {0, cur, redis.call('HGET', KEYS[1], 'state') or '', e}
 """
+
+
+def state_loss(known_version: str, known_epoch: str, version: str, epoch: str) -> str | None:
+    """How the committed state Redis answers shows that the one this replica knew was lost:
+    `vanished` (no state: flushed, or restarted empty), `recreated` (another epoch: it vanished
+    and a replica started a new one), `regressed` (an older version: restored from a snapshot,
+    or a failover to a lagging replica); None if it follows from the known one (or none was known)."""
+    if known_version == "0":
+        return None
+    if version == "0":
+        return "vanished"
+    if epoch != known_epoch:
+        return "recreated"
+    if int(version) < int(known_version):
+        return "regressed"
+    return None
 
 
 def replica_id() -> str:
@@ -159,6 +186,11 @@ class LedgerMetrics:
             "admission_ledger_lease_expiries",
             "Tickets dropped because their replica stopped renewing its lease (it died or lost Redis).",
             ["engine"], registry=r)
+        self.state_lost = Counter(
+            "admission_ledger_state_lost",
+            "Times this replica found the shared state it knew gone (vanished, recreated or regressed: "
+            "a flush, a restart, a restore) and put its own tickets back.",
+            ["engine", "reason"], registry=r)
 
 
 class LedgerUnavailable(Exception):
@@ -168,10 +200,11 @@ class LedgerUnavailable(Exception):
 @dataclass
 class _Shared:
     version: str = "0"
+    epoch: str = ""  # the first version of this state's lifetime (`state_loss`)
     state: str = ""  # the committed JSON
     view: EngineGate | None = None  # parsed `state`; mutated only by a transaction under the lock
     verdicts: dict[str, Any] | None = None  # parsed with `view`: decisions left for their owners
-    pending: tuple[str, str] | None = None  # a newer state published while a transaction ran
+    pending: tuple[str, str, str] | None = None  # a newer (version, epoch, state) published while a transaction ran
 
 
 class RedisLedger:
@@ -213,11 +246,15 @@ class RedisLedger:
         self._deliver: Deliver = lambda engine, decisions: None
         self._changed: Callable[[str], None] = lambda engine: None
         self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()  # `_verify`s in flight
+        self._verifying: set[str] = set()
         self._degraded_event = asyncio.Event()
         for name in limits:
             metrics.degraded.labels(name).set(0)
             metrics.conflicts.labels(name)
             metrics.lease_expiries.labels(name)
+            for reason in ("vanished", "recreated", "regressed"):
+                metrics.state_lost.labels(name, reason)
 
     # --- keys -------------------------------------------------------------------------------
 
@@ -263,9 +300,9 @@ class RedisLedger:
                        asyncio.create_task(self._renew_loop(), name="ledger-renew")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in (*self._tasks, *self._side_tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._side_tasks, return_exceptions=True)
         self._tasks = []
         await self._client.aclose()
         await self._pubsub_client.aclose()
@@ -287,8 +324,10 @@ class RedisLedger:
 
     async def _transact_shared(self, engine: str, event: Event, stale_verdicts: bool = False) -> list[Decision]:
         """Run `event` on the shared state until a commit lands (call under the engine's lock).
-        `stale_verdicts`: this replica's verdicts are cleared without being returned."""
+        `stale_verdicts`: this replica's verdicts are cleared without being returned. Decisions
+        that putting this replica's tickets back after a lost state made come first."""
         shared = self._shared[engine]
+        rebuilt: list[Decision] = []
         while True:
             gate, verdicts = self._view(engine)
             shared.view = shared.verdicts = None  # mutated below: re-parsed unless the commit lands
@@ -297,16 +336,15 @@ class RedisLedger:
             if state == shared.state:
                 # Nothing to write, but the decisions were made on this replica's last view: they
                 # stand only if that view is still the committed state.
-                ok, version, current = await self._call("check", self._check(
-                    keys=[self._key(engine)], args=[shared.version]))
+                ok, version, current, epoch = await self._call("check", self._check(
+                    keys=[self._key(engine)], args=[shared.version, shared.epoch]))
                 if int(ok) == 1:
                     shared.view, shared.verdicts = gate, verdicts
-                    return decisions
-                self._metrics.conflicts.labels(engine).inc()
-                self._take(engine, str(version), current)
+                    return [*rebuilt, *decisions]
+                rebuilt += await self._conflict(engine, str(version), str(epoch), current)
                 continue
-            ok, version, current = await self._call("commit", self._commit(
-                keys=[self._key(engine)], args=[shared.version, state, self._channel(engine)]))
+            ok, version, current, epoch = await self._call("commit", self._commit(
+                keys=[self._key(engine)], args=[shared.version, state, self._channel(engine), shared.epoch]))
             if int(ok) == 1:
                 if expired:  # counted once the commit lands: an event may run more than once
                     self._metrics.lease_expiries.labels(engine).inc(len(expired))
@@ -314,15 +352,15 @@ class RedisLedger:
                                 extra={"engine": engine, "tickets": len(expired),
                                        "replicas": sorted({t.owner for t in expired})})
                 self._delivered -= cleared
-                shared.version, shared.state, shared.view, shared.verdicts = str(version), state, gate, verdicts
+                shared.version, shared.epoch, shared.state = str(version), str(epoch), state
+                shared.view, shared.verdicts = gate, verdicts
                 if self._local is not None:  # degraded while this commit was in flight: keep its effect
                     mine = EngineGate.from_state(self._limits[engine], gate.to_state())
                     mine.keep_only(self.replica)
                     self._local[engine] = mine
                 self._changed(engine)
-                return decisions
-            self._metrics.conflicts.labels(engine).inc()
-            self._take(engine, str(version), current)
+                return [*rebuilt, *decisions]
+            rebuilt += await self._conflict(engine, str(version), str(epoch), current)
 
     def _run(self, engine: str, gate: EngineGate, verdicts: dict[str, Any], event: Event,
              stale_verdicts: bool = False) -> tuple[list[Decision], dict[str, Any], set[int], list[Ticket]]:
@@ -351,13 +389,55 @@ class RedisLedger:
                     "w": decision.ticket.owner, "x": now + 2 * self._lease}
         return mine, verdicts, cleared, expired
 
-    async def _read(self, engine: str) -> None:
-        version, state = await self._call("read", self._client.hmget(self._key(engine), "v", "state"))
-        self._take(engine, version or "0", state or "")
-
-    def _take(self, engine: str, version: str, state: str) -> None:
+    async def _conflict(self, engine: str, version: str, epoch: str, state: str) -> list[Decision]:
+        """The committed state was not the one an event ran on: take it, and if it shows that the
+        state this replica knew was lost, put this replica's tickets back in it first."""
         shared = self._shared[engine]
-        shared.version, shared.state, shared.view, shared.verdicts = version, state, None, None
+        loss = state_loss(shared.version, shared.epoch, version, epoch)
+        if loss is None:
+            self._metrics.conflicts.labels(engine).inc()
+            self._take(engine, version, epoch, state)
+            return []
+        known = (shared.version, shared.epoch, shared.state)
+        self._take(engine, version, epoch, state)
+        try:
+            return await self._rebuild(engine, loss, known)
+        except LedgerUnavailable:
+            self._take(engine, *known)  # going degraded: from what this replica knew, its tickets included
+            raise
+
+    async def _rebuild(self, engine: str, loss: str, known: tuple[str, str, str]) -> list[Decision]:
+        """Put this replica's open and parked tickets, as the lost state held them, back into the
+        current one (as after a Redis restart), with the lost state's scrape if it has none."""
+        known_version, _, known_state = known
+        lost = EngineGate.from_state(self._limits[engine], json.loads(known_state) if known_state else {})
+        now = self._clock()
+        mine = [Ticket.from_state(t.to_state()) for t in (*lost.admitted(), *lost.queued()) if t.owner == self.replica]
+        for t in mine:
+            t.lease_until = now + self._lease
+        snapshot = lost.snapshot
+        self._metrics.state_lost.labels(engine, loss).inc()
+        log.warning("shared ledger state lost; putting this replica's requests back",
+                    extra={"engine": engine, "reason": loss, "replica": self.replica,
+                           "known_version": known_version, "found_version": self._shared[engine].version,
+                           "admitted": sum(t.state is TicketState.ADMITTED for t in mine),
+                           "parked": sum(t.state is TicketState.PARKED for t in mine)})
+
+        def put_back(gate: EngineGate) -> list[Decision]:
+            gate.replace_owner(self.replica, [Ticket.from_state(t.to_state()) for t in mine])
+            if gate.snapshot is None and snapshot is not None:  # the scrape was lost with it
+                return gate.observe(snapshot, self._clock())
+            return []
+
+        return await self._transact_shared(engine, put_back)
+
+    async def _read(self, engine: str) -> None:
+        version, state, epoch = await self._call("read", self._client.hmget(self._key(engine), "v", "state", "e"))
+        self._take(engine, version or "0", epoch or "", state or "")
+
+    def _take(self, engine: str, version: str, epoch: str, state: str) -> None:
+        shared = self._shared[engine]
+        shared.version, shared.epoch, shared.state, shared.view, shared.verdicts = version, epoch, state, None, None
 
     async def _call(self, op: str, call: Awaitable[Any]) -> Any:
         started = time.perf_counter()
@@ -375,25 +455,34 @@ class RedisLedger:
     # --- notifications ----------------------------------------------------------------------
 
     def _on_published(self, engine: str, data: str) -> None:
-        version, _, state = data.partition(" ")
+        version, _, rest = data.partition(" ")
+        epoch, _, state = rest.partition(" ")
         shared = self._shared[engine]
         if self._locks[engine].locked():  # a transaction runs: take it when it is done
             if shared.pending is None or int(version) > int(shared.pending[0]):
-                shared.pending = (version, state)
+                shared.pending = (version, epoch, state)
             return
-        self._take_newer(engine, version, state)
+        self._take_newer(engine, version, epoch, state)
 
     def _take_pending(self, engine: str) -> None:
         shared = self._shared[engine]
         if shared.pending is not None:
-            version, state = shared.pending
+            version, epoch, state = shared.pending
             shared.pending = None
-            self._take_newer(engine, version, state)
+            self._take_newer(engine, version, epoch, state)
 
-    def _take_newer(self, engine: str, version: str, state: str) -> None:
-        if self._local is not None or int(version) <= int(self._shared[engine].version):
+    def _take_newer(self, engine: str, version: str, epoch: str, state: str) -> None:
+        shared = self._shared[engine]
+        if self._local is not None:
             return
-        self._take(engine, version, state)
+        if shared.version != "0" and epoch != shared.epoch:
+            # Another lifetime of the state: the one this replica knew was lost. A transaction
+            # compares with what Redis holds now and puts this replica's tickets back.
+            self._verify(engine)
+            return
+        if int(version) <= int(shared.version):
+            return
+        self._take(engine, version, epoch, state)
         self._deliver_verdicts(engine)
         self._changed(engine)
 
@@ -405,6 +494,26 @@ class RedisLedger:
             self._delivered |= {d.ticket.id for d in mine}
             self._deliver(engine, mine)
 
+    def _verify(self, engine: str) -> None:
+        """Soon compare this replica's view with the committed state (a no-op transaction)."""
+        if engine in self._verifying:
+            return
+        self._verifying.add(engine)
+
+        async def verify() -> None:
+            try:
+                decisions = await self.transact(engine, lambda g: [])
+                if decisions:
+                    self._deliver(engine, decisions)
+            finally:
+                self._verifying.discard(engine)
+            self._deliver_verdicts(engine)
+            self._changed(engine)
+
+        task = asyncio.create_task(verify(), name=f"ledger-verify-{engine}")
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
     async def _listen(self) -> None:
         """Follow every engine's commits; after any gap, re-read the state."""
         channels = {self._channel(engine): engine for engine in self._limits}
@@ -413,9 +522,12 @@ class RedisLedger:
             try:
                 await pubsub.subscribe(*channels)
                 if self._local is None:
-                    for engine in self._limits:  # whatever was committed before we listened
-                        async with self._locks[engine]:
-                            await self._read(engine)
+                    for engine in self._limits:
+                        # Whatever was committed before we listened; a state lost meanwhile (Redis
+                        # restarted while nothing was decided) is found here and rebuilt.
+                        decisions = await self.transact(engine, lambda g: [])
+                        if decisions:
+                            self._deliver(engine, decisions)
                         self._deliver_verdicts(engine)
                         self._changed(engine)
                 while True:

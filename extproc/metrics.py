@@ -87,6 +87,12 @@ class Metrics:
             "admission_decision_latency_seconds",
             "Service time to answer Envoy's body message, excluding time parked.",
             ["engine", "outcome"], buckets=_DECISION_BUCKETS, registry=r)
+        self.park_deadline_local = Counter(
+            "admission_park_deadline_local",
+            "Parked requests this replica answered park_timeout at their cap by its own deadline, because the "
+            "ledger had not decided them in time (its state lost them, or it did not answer); 0 while the ledger "
+            "is whole.",
+            ["engine"], registry=r)
         self.backfilled = Counter(
             "admission_backfilled", "Requests admitted ahead of a queue head that was waiting for KV (backfill).",
             ["engine", "model"], registry=r)
@@ -216,6 +222,7 @@ class Metrics:
             self.predicted_wait.labels(name, settings.wait_prediction)
             self.wait_prediction_error.labels(name, settings.wait_prediction)
             self.wait_bound_violations.labels(name)
+            self.park_deadline_local.labels(name)
             self.wait_bound_answers.labels(name, settings.wait_prediction)
             for model in engine.models:
                 for via in ADMITTED_VIA:

@@ -8,12 +8,18 @@
 - A replica that dies without finishing: its lease expires and its capacity returns.
 - Redis stopped and restarted: the replica decides alone (degraded), then puts its open
   requests back into the shared state.
+- Redis flushed (or restored to an older state) on a live connection: every replica finds the
+  state it knew gone, counts and logs it, and puts its own requests back, so the gate decides
+  the parked ones again.
+- A ledger that lost a parked request without a trace: the replica still answers it park_timeout
+  at its cap, by its own deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -151,9 +157,10 @@ async def _replay(url: str, prefix: str, events: list) -> None:
 # --- the service's Admission on a shared ledger -----------------------------------------------
 
 
-def _admission(url: str, prefix: str, lease: float = 60.0, inflight: int = 1) -> tuple[Admission, CollectorRegistry]:
+def _admission(url: str, prefix: str, lease: float = 60.0, inflight: int = 1,
+               park: float = 300.0) -> tuple[Admission, CollectorRegistry]:
     settings = load_settings({"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_INFLIGHT": str(inflight),
-                              "ADMISSION_KV_BUDGET": "false"})
+                              "ADMISSION_KV_BUDGET": "false", "ADMISSION_MAX_PARK_SECONDS": str(park)})
     registry = CollectorRegistry()
     ledger = RedisLedger({"default": gate_limits(settings, settings.engines[0])}, url, LedgerMetrics(registry),
                          lease_seconds=lease, timeout=0.5, prefix=prefix)
@@ -254,3 +261,133 @@ async def test_redis_down_the_replica_decides_alone_then_puts_its_requests_back(
         for x in (a, b):
             await x.stop()
         server.stop()
+
+
+# --- a shared state that vanished, went back, or lost a ticket --------------------------------
+
+
+async def _until(condition, what: str, timeout: float = 10.0) -> None:  # noqa: ANN001
+    """Poll `condition()` until it holds; fail naming `what` after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _lost(registry: CollectorRegistry, reason: str) -> float:
+    return registry.get_sample_value("admission_ledger_state_lost_total",
+                                     {"engine": "default", "reason": reason}) or 0.0
+
+
+async def _raw(url: str):  # noqa: ANN202
+    import redis.asyncio as redis
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+async def test_a_flushed_ledger_is_found_and_rebuilt_from_each_replicas_own_tickets(tmp_path: Path) -> None:
+    _require_redis()
+    server = RedisServer(tmp_path / "redis").start()
+    prefix = f"flush{next(_prefixes)}"
+    a, reg_a = _admission(server.url, prefix)
+    b, reg_b = _admission(server.url, prefix)
+    raw = await _raw(server.url)
+    try:
+        await _started(a, b)
+        holder = await a.arrive("default", "m")
+        assert holder.outcome is Outcome.ADMITTED
+        parked = []
+        for x in (a, b, a, b):
+            decision = await x.arrive("default", "m")
+            assert decision.outcome is Outcome.PARKED
+            parked.append((x, decision.ticket))
+        waits = [asyncio.ensure_future(x.wait("default", t)) for x, t in parked]
+        assert await raw.flushall()
+        # A's next decision (any event; here a no-op) finds the state gone and puts its tickets
+        # back; B learns of the new state from A's published commit and puts back its own.
+        await a.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
+        await _until(lambda: len(b.gate("default").queued()) == 4, "B's view to hold every parked request")
+        await _until(lambda: sum(_lost(reg_b, r) for r in ("vanished", "recreated", "regressed")) == 1,
+                     "B to count the state it knew lost")
+        assert _lost(reg_a, "vanished") == 1
+        for x in (a, b):
+            await x.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
+            view = x.gate("default")
+            assert [t.id for t in view.admitted()] == [holder.ticket.id]
+            assert [t.id for t in view.queued()] == [t.id for _, t in parked]  # FIFO kept across replicas
+            assert view.snapshot is not None  # the lost scrape came back with the tickets
+        assert not any(w.done() for w in waits)
+        # The gate decides them again: the holder's completion admits the head, nothing else.
+        await a.finish("default", holder.ticket)
+        first = await asyncio.wait_for(waits[0], 5)
+        assert first.outcome is Outcome.ADMITTED_AFTER_PARK
+        assert not any(w.done() for w in waits[1:])
+        await a.finish("default", parked[0][1])
+        for (x, t), w in zip(parked[1:], waits[1:], strict=True):
+            assert (await asyncio.wait_for(w, 5)).outcome is Outcome.ADMITTED_AFTER_PARK
+            await x.finish("default", t)
+        await a.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
+        assert a.gate("default").inflight == 0 and a.gate("default").queue_depth == 0
+    finally:
+        await raw.aclose()
+        for x in (a, b):
+            await x.stop()
+        server.stop()
+
+
+async def test_a_ledger_restored_to_an_older_version_is_found_and_rebuilt(redis_server: RedisServer) -> None:
+    prefix = f"regress{next(_prefixes)}"
+    a, registry = _admission(redis_server.url, prefix)
+    raw = await _raw(redis_server.url)
+    key = f"{{{prefix}:default}}:state"
+    try:
+        await _started(a)
+        holder = await a.arrive("default", "m")
+        older = await raw.hgetall(key)  # a snapshot of the state: the holder admitted, nobody parked
+        parked = await a.arrive("default", "m")
+        assert parked.outcome is Outcome.PARKED
+        await raw.hset(key, mapping=older)  # restored from that snapshot: the parked request is gone
+        await a.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
+        view = a.gate("default")
+        assert [t.id for t in view.admitted()] == [holder.ticket.id]
+        assert [t.id for t in view.queued()] == [parked.ticket.id]
+        assert _lost(registry, "regressed") == 1
+        await a.finish("default", holder.ticket)
+        assert (await asyncio.wait_for(a.wait("default", parked.ticket), 5)).outcome is Outcome.ADMITTED_AFTER_PARK
+        await a.finish("default", parked.ticket)
+    finally:
+        await raw.aclose()
+        await a.stop()
+
+
+async def test_a_parked_request_the_ledger_lost_without_a_trace_is_answered_at_its_cap(
+        redis_server: RedisServer) -> None:
+    prefix = f"cap{next(_prefixes)}"
+    a, _ = _admission(redis_server.url, prefix, park=1.0)
+    b, registry = _admission(redis_server.url, prefix, park=1.0)
+    raw = await _raw(redis_server.url)
+    key = f"{{{prefix}:default}}:state"
+    try:
+        await _started(a, b)
+        holder = await a.arrive("default", "m")
+        assert holder.outcome is Outcome.ADMITTED
+        parked = await b.arrive("default", "m")
+        assert parked.outcome is Outcome.PARKED
+        # The state loses B's ticket in a newer version of the same lifetime: nothing shows it.
+        version, state = await raw.hmget(key, "v", "state")
+        doc = json.loads(state)
+        doc["q"] = []
+        await raw.hset(key, mapping={"v": str(int(version) + 1), "state": json.dumps(doc)})
+        decision = await asyncio.wait_for(b.wait("default", parked.ticket), 10)
+        assert decision.outcome is Outcome.PARK_TIMEOUT
+        assert decision.retry_after is not None
+        assert registry.get_sample_value("admission_park_deadline_local_total", {"engine": "default"}) == 1
+        assert registry.get_sample_value("admission_rejected_total",
+                                         {"engine": "default", "model": "m", "reason": "park_timeout"}) == 1
+        await b.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
+        assert b.gate("default").queue_depth == 0
+        await a.finish("default", holder.ticket)
+    finally:
+        await raw.aclose()
+        for x in (a, b):
+            await x.stop()
