@@ -34,6 +34,16 @@ Besides the prompt text, the scan measures what else the engine's prompt and KV 
 `tools` array's JSON as the template renders it (keys and values, quotes and separators, from the
 events), tool calls' names and arguments, a completion prompt's token ids, and `n` / `best_of`
 (read like the token limits: an invalid one is `400 invalid_body`, as the engine answers).
+A message's content given as a list of text parts is rendered as the parts joined with `"\n"`
+(vLLM's `_parse_chat_message_content_parts`, "string" content format, which the simulator
+follows): each separator is a rendered byte and a token of its own, so 1,900 one-character
+parts are 3,799 bytes and ~3,800 tokens, not 1,900 bytes. Of the rendered text, `dense_bytes`
+are those that tokenize near one token a byte whatever the vocabulary (separators, strings
+shorter than `SHORT_STRING_BYTES`, each digit with a byte either side: Qwen splits every digit,
+and whitespace or punctuation next to a digit is its own token in the Qwen, Llama-3 and
+o200k/cl100k pre-tokenizers): the estimate counts them a token each (byte-level BPE never
+makes more tokens than bytes). Counting digits is one C pass over each string's UTF-8
+(`bytes.translate`), ~1-2 ms per MiB of text.
 
 The grammar is Python's, not yajl's, wherever they differ and it matters: vertical tab and form
 feed are not JSON whitespace (`json.loads` rejects them, yajl accepts them), nesting deeper than
@@ -84,6 +94,10 @@ class BodyFacts:
     messages: int = 0  # chat messages (each adds the chat template's per-message framing)
     tools_bytes: int = 0  # the `tools` array as the chat template renders it (its JSON, approximated)
     prompt_token_ids: int = 0  # a completion prompt given as token ids: exact tokens, not text
+    # Of `prompt_bytes`, those estimated at one token each, not at a bytes-per-token rate: text that
+    # tokenizes near one token a byte (the separators between content parts, strings shorter than
+    # SHORT_STRING_BYTES, digits and a byte either side of each). See extproc/estimate.py.
+    dense_bytes: int = 0
     n: int | None = None  # sequences to generate (`n`), as the engine reads it
     best_of: int | None = None  # `best_of`, where the engine still honours it
 
@@ -111,6 +125,9 @@ _INT_STRING = re.compile(r"[ \t\n\r]*([+-]?[0-9]+)(?:\.0+)?[ \t\n\r]*", re.ASCII
 _TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
 _FALSE_STRINGS = frozenset(("0", "off", "f", "false", "n", "no"))
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+SHORT_STRING_BYTES = 4  # shorter rendered strings count a token a byte (at least one token, which a rate rounds away)
+DIGIT_NEIGHBOURS = 3  # bytes counted at one token each per digit: the digit and one on either side
+_DIGITS = b"0123456789"
 
 
 def scan_body(body: bytes) -> BodyFacts:
@@ -122,7 +139,8 @@ def scan_body(body: bytes) -> BodyFacts:
     model_seen = 0
     kept: dict[str, object] = {}
     prompt_bytes = 0
-    messages = tools_bytes = token_ids = 0
+    messages = tools_bytes = token_ids = dense_bytes = 0
+    parts = -1  # text parts in the message content list being read (-1: not in one)
     depth = 0
     key: str | None = None  # the top-level key whose value is being read
     inner_key: str | None = None  # the latest key seen below the top level
@@ -144,6 +162,8 @@ def scan_body(body: bytes) -> BodyFacts:
                     tools_bytes += 2  # the brackets; a tool's own JSON is summed below
                 elif depth == 2 and key == "messages" and event == "start_map":
                     messages += 1
+                elif depth == 3 and key == "messages" and event == "start_array" and inner_key == "content":
+                    parts = 0  # a message's content as a list of parts
                 if depth == 1 and key in _KEPT_KEYS:
                     if key == "model":
                         model = None
@@ -157,6 +177,13 @@ def scan_body(body: bytes) -> BodyFacts:
                 depth -= 1
                 if depth == 1:
                     key = None
+                elif depth == 3 and parts >= 0:
+                    # vLLM joins a message's text parts with "\n" before the template sees them
+                    # (its "string" content format): each separator is a token of its own.
+                    separators = max(0, parts - 1)
+                    prompt_bytes += separators
+                    dense_bytes += separators
+                    parts = -1
                 continue
             if depth == 1:
                 if event == "map_key":
@@ -172,7 +199,9 @@ def scan_body(body: bytes) -> BodyFacts:
                 elif key in _TOKEN_KEYS or key in _SEQ_KEYS:
                     kept[key] = _as_int(value)
                 elif key == "prompt" and event == "string":
-                    prompt_bytes += _utf8_len(value)
+                    size, dense = _measure(value)
+                    prompt_bytes += size
+                    dense_bytes += dense
                 key = None
             elif key == "tools":
                 # The template renders each tool as its JSON (`json.dumps`: `"key": value, `).
@@ -182,10 +211,16 @@ def scan_body(body: bytes) -> BodyFacts:
                     tools_bytes += len(str(value)) + 2
             elif event == "map_key":
                 inner_key = value
-            elif event == "string" and (key == "prompt" or (key == "messages" and inner_key in _TEXT_KEYS)):
+            elif event == "string" and (key == "prompt" or (key == "messages" and (
+                    inner_key in _TEXT_KEYS or (depth == 4 and parts >= 0)))):
                 # Count what the template renders of a message: its text (`content`, `text`
-                # parts), tool calls' names and arguments; roles are the per-message framing.
-                prompt_bytes += _utf8_len(value)
+                # parts, a part given as a bare string), tool calls' names and arguments; roles
+                # are the per-message framing.
+                size, dense = _measure(value)
+                prompt_bytes += size
+                dense_bytes += dense
+                if parts >= 0 and (depth == 4 or (depth == 5 and inner_key == "text")):
+                    parts += 1
             elif event == "number" and key == "prompt" and type(value) is int:
                 token_ids += 1  # a prompt of token ids (or a batch of them): one token each
     except BodyError:
@@ -216,6 +251,7 @@ def scan_body(body: bytes) -> BodyFacts:
         messages=messages,
         tools_bytes=tools_bytes,
         prompt_token_ids=token_ids,
+        dense_bytes=dense_bytes,
         n=_kept_int(kept, "n"),
         best_of=_kept_int(kept, "best_of"),
     )
@@ -302,6 +338,16 @@ def _has_lone_surrogate(body: bytes) -> bool:
 
 def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _measure(text: str) -> tuple[int, int]:
+    """A rendered string's UTF-8 bytes, and how many of them count a token each (`dense_bytes`)."""
+    data = text.encode("utf-8", "surrogatepass")
+    size = len(data)
+    if size < SHORT_STRING_BYTES:
+        return size, size
+    digits = size - len(data.translate(None, _DIGITS))  # one C pass; digits are ASCII in UTF-8
+    return size, min(size, DIGIT_NEIGHBOURS * digits)
 
 
 def _first_line(exc: Exception) -> str:

@@ -55,7 +55,7 @@ class EstimateSettings:
 
     mode: str  # counted: the sources below; bytes: the estimate before issue 11
     tokenizer: str | None  # a built-in vocabulary name or a tokenizer.json path
-    tokenize_above_bytes: int  # ask the engine's POST /tokenize from this prompt size; 0 = never
+    tokenize_above_bytes: int  # ask the engine's POST /tokenize from this body size; 0 = never
     tokenize_timeout_seconds: float
     learn: bool  # learn bytes-per-token from the engine's prompt-token counter
     bytes_per_token_min: float  # bounds of the learned bytes-per-token

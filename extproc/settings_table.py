@@ -149,7 +149,7 @@ SETTINGS: tuple[Setting, ...] = (
             "served model's tokenizer.json path, or qwen3, qwen2.5, llama3: exact prompt counts",
             chart="admission.estimate.tokenizer", kind="text"),
     Setting("ADMISSION_TOKENIZE_ABOVE_BYTES",
-            "prompts this large are counted by the engine's POST /tokenize; 0 = never", "8192",
+            "request bodies this large are counted by the engine's POST /tokenize; 0 = never", "8192",
             chart="admission.estimate.tokenizeAboveBytes", kind="int", bounds=_COUNT),
     Setting("ADMISSION_TOKENIZE_TIMEOUT_MS", "longest wait for the engine's count before the bytes rule", "500",
             chart="admission.estimate.tokenizeTimeoutMs", kind="float", bounds=Bounds(1.0, 60_000.0)),

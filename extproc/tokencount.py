@@ -8,9 +8,11 @@ In order, the first that applies (`ADMISSION_ESTIMATE=counted`, the default):
    `tokenizer.json` counted with Hugging Face `tokenizers` (what vLLM loads), the template's framing added from the
    `ADMISSION_TEMPLATE_TOKENS_*` settings. Chat and completion requests; counted in a worker
    thread, off the event loop.
-2. `engine`: a chat or completion prompt of at least `ADMISSION_TOKENIZE_ABOVE_BYTES` bytes is
-   counted by the engine itself (`POST /tokenize`, which vLLM serves: the same template and
-   tokenizer as the request will get), within `ADMISSION_TOKENIZE_TIMEOUT_MS`. On a timeout, an
+2. `engine`: a chat or completion request whose BODY has at least `ADMISSION_TOKENIZE_ABOVE_BYTES`
+   bytes (not its text: structure such as many tiny content parts renders far more tokens than
+   its text bytes suggest, and cannot shrink the body) is counted by the engine itself
+   (`POST /tokenize`, which vLLM serves: the same template and tokenizer as the request will
+   get), within `ADMISSION_TOKENIZE_TIMEOUT_MS`. On a timeout, an
    error or an answer without a count, the bytes rule decides (`fallback`); an engine that
    answers 404/405 (no such endpoint) is not asked again for `UNSUPPORTED_RETRY_SECONDS`.
 3. `learned` / `prior`: the bytes rule (`extproc.estimate.prompt_from_bytes`) at the
@@ -227,8 +229,10 @@ class Calibration:
 
     def finished(self, facts: BodyFacts, overhead: TemplateOverhead) -> None:
         seqs = facts.sequences
-        self._pending[0] += seqs * (facts.prompt_bytes + facts.tools_bytes)
-        self._pending[1] += seqs * (overhead.tokens(facts) + facts.prompt_token_ids)
+        # Dense text is estimated a token a byte, not at the rate: it stays out of what the rate
+        # is learned from (its tokens count as fixed, like the template's).
+        self._pending[0] += seqs * (facts.prompt_bytes + facts.tools_bytes - facts.dense_bytes)
+        self._pending[1] += seqs * (overhead.tokens(facts) + facts.prompt_token_ids + facts.dense_bytes)
 
     @property
     def evidence(self) -> bool:
@@ -305,7 +309,11 @@ class Estimator:
             except CountError as exc:
                 log.debug("tokenizer could not count the prompt; bytes rule", extra={"detail": str(exc)})
         source = None
-        if (countable and e.tokenize_above_bytes and facts.prompt_bytes + facts.tools_bytes >= e.tokenize_above_bytes
+        # The threshold is on the body's size: what the template renders (text, the "\n" between
+        # parts, each message's framing) never outgrows it by more than the fixed framing, and
+        # structure cannot make it small (each part or message costs body bytes): 1,900
+        # one-character parts are 1,900 text bytes but ~51 KB of body.
+        if (countable and e.tokenize_above_bytes and len(body) >= e.tokenize_above_bytes
                 and self._unsupported_until.get(engine.name, 0.0) <= time.monotonic()):
             try:
                 tokens = await self._engine_count(engine, endpoint.path, body)

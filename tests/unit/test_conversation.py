@@ -19,9 +19,11 @@ import pytest
 from google.protobuf import duration_pb2
 
 from extproc.admission import Admission
+from extproc.bodyscan import scan_body
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 from extproc.servicer import ExternalProcessor
+from extproc.tokencount import Calibration
 from extproc.wire import base_pb2, http_status_pb2, pb, processing_mode_pb2
 
 from .conversation_helpers import (
@@ -304,12 +306,23 @@ def test_a_stream_cancelled_while_parked_leaves_the_queue_as_client_gone() -> No
 # --- after admission: the ticket is finished exactly once ---------------------------------------
 
 
-async def _finished_bytes(servicer: ExternalProcessor) -> float:
-    """Prompt bytes the estimator was told had finished (each finish adds the request's bytes)."""
-    calibration = servicer.estimator.calibration["default"]
+def _merged(calibration: Calibration) -> tuple[float, float]:
     calibration.engine_counted(0.0, 1.0)  # a first counter reading, then one that merges what is pending
     calibration.engine_counted(1_000.0, 2.0)
-    return calibration.finished_bytes
+    return calibration.finished_bytes, calibration.finished_fixed
+
+
+async def _finished(servicer: ExternalProcessor) -> tuple[float, float]:
+    """What the estimator was told had finished: (text bytes, fixed tokens), each finish adding its
+    request's ("hi" is two bytes, counted a token each, with the template's framing)."""
+    return _merged(servicer.estimator.calibration["default"])
+
+
+def _one_finish(servicer: ExternalProcessor, body: bytes) -> tuple[float, float]:
+    """What one finish of `body` tells a fresh calibration."""
+    calibration = Calibration(2.5, 1.0, 4.0, True)
+    calibration.finished(scan_body(body), servicer.estimator.overhead)
+    return _merged(calibration)
 
 
 @pytest.mark.parametrize("how", ["read fails", "cancelled"])
@@ -332,7 +345,7 @@ def test_a_stream_reset_after_admission_finishes_the_ticket_once(how: str) -> No
                 await asyncio.wait_for(task, 5)
             errors = 1.0
         assert _idle(admission)
-        assert await _finished_bytes(servicer) == len("hi")  # one request's prompt, once
+        assert await _finished(servicer) == _one_finish(servicer, body)  # one request's prompt, once
         assert _sample(metrics, "extproc_internal_errors_total") == errors
 
     _run(scenario)
@@ -349,7 +362,7 @@ def test_a_park_decision_and_a_stream_end_at_once_admit_then_free() -> None:
         await asyncio.wait_for(task, 5)
         assert stream.written[-1] == admitted()
         assert _idle(admission)
-        assert await _finished_bytes(servicer) == len("hi")
+        assert await _finished(servicer) == _one_finish(servicer, chat_body())
 
     _run(scenario, PARK_ENV)
 

@@ -405,19 +405,16 @@ async def test_a_cold_start_burst_of_large_json_cjk_and_hex_prompts_is_never_und
     assert sources(metrics) == {"engine": 3}
 
 
-def test_when_the_engine_cannot_count_the_prior_is_safe_for_json_and_cjk_not_for_hex() -> None:
-    """The cold-start prior (2.5 bytes a token) over-counts JSON and CJK on Qwen3 and Llama-3:
-    hex, ~1.1-1.8 bytes a token, is under-counted by the bytes rule (the engine's count covers it)."""
+def test_when_the_engine_cannot_count_the_prior_is_safe_for_json_cjk_and_hex() -> None:
+    """The cold-start prior (2.5 bytes a token) over-counts JSON and CJK on Qwen3 and Llama-3;
+    hex (~1.1-1.8 bytes a token) is mostly digits, which count a token a byte with their neighbours."""
     overhead = TemplateOverhead()
     for name in ("qwen3", "llama3"):
         for kind in ("json", "cjk", "hex"):
             content = sized_content(kind, 8192, seed=7, index=0, tokenizer_name=name)
             estimate_ = prompt_from_bytes(scan_body(chat(content)), 2.5, 1.0, overhead)
             truth = get_tokenizer(name).count_chat([{"role": "user", "content": content}])
-            if kind == "hex":
-                assert estimate_ < truth
-            else:
-                assert estimate_ >= truth, (name, kind, estimate_ / truth)
+            assert estimate_ >= truth, (name, kind, estimate_ / truth)
 
 
 async def test_calibration_follows_the_engine_counter_and_publishes_the_ratio(serve: Any) -> None:
