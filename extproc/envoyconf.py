@@ -102,7 +102,7 @@ from .contract import (
     STRIPPED_HEADER_PREFIX,
     UNGATED_CLUSTER_SUFFIX,
 )
-from .endpoints import endpoint_for
+from .endpoints import endpoint_for, path_pattern
 from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
@@ -281,16 +281,31 @@ def _one_message_route(settings: Settings, path: str, action: dict[str, Any]) ->
     return route
 
 
+def _pass_matches(settings: Settings) -> list[dict[str, Any]]:
+    """The pass list's paths (any method), as route matches."""
+    return [{"safe_regex": {"regex": path_pattern(p)}} if "*" in p else {"path": p} for p in settings.pass_paths]
+
+
+_ANY_POST = {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
+
+
 def _routes(settings: Settings, bound: bool, one_message: bool) -> list[dict[str, Any]]:
-    """Gated paths to each engine's bounded cluster (by the service's metadata with several engines,
-    503 when it named none; the first engine's with one), the one-message routes first when
-    `one_message`; everything else to the first engine's ungated cluster."""
+    """Gated paths, and every POST off the pass list, to each engine's bounded cluster (by the
+    service's metadata with several engines, 503 when it named none; the first engine's with one),
+    the one-message routes first when `one_message`; the pass list and every other request to the
+    first engine's ungated cluster."""
     engines, first = settings.engines, settings.engines[0]
     if not settings.gating or not bound:
         routes = [_route({"prefix": "/"}, e.cluster, e) for e in engines] if len(engines) > 1 else []
         return routes + [_route({"prefix": "/"}, first.cluster)]
+    ungated = first.cluster + UNGATED_CLUSTER_SUFFIX
+    # A POST to a path nobody listed is gated (the service gates it too): a route a new engine
+    # release adds does engine work until someone says otherwise, and must not pass unbounded
+    # (as the catch-all would) while the service is down and Envoy fails open.
     gated: list[dict[str, Any]] = [{"path": path} for path in settings.gated_paths]
     gated.append({"safe_regex": {"regex": ESCAPED_SEPARATOR_REGEX}})
+    gated.append(_ANY_POST)
+    passed = [_route(m, ungated) for m in _pass_matches(settings)]
     one_message_paths = [p for p in settings.gated_paths if one_message and not endpoint_for(p).multipart]
     if len(engines) > 1:
         # No engine named: the service did not answer (down, or late and Envoy failed open). Only
@@ -301,12 +316,14 @@ def _routes(settings: Settings, bound: bool, one_message: bool) -> list[dict[str
         unnamed = {"direct_response": {"status": ENVOY_REJECTIONS[Outcome.ENGINE_NOT_SELECTED].status}}
         routes = [_route(m, e.cluster, e) for e in engines for m in gated]
         routes += [_one_message_route(settings, path, unnamed) for path in one_message_paths]
+        routes += passed
         routes += [{"match": m, **unnamed} for m in gated]
     else:
         routes = [_one_message_route(settings, path, {"route": {"cluster": first.cluster, "timeout": "0s"}})
                   for path in one_message_paths]
+        routes += passed
         routes += [_route(m, first.cluster) for m in gated]
-    routes.append(_route({"prefix": "/"}, first.cluster + UNGATED_CLUSTER_SUFFIX))
+    routes.append(_route({"prefix": "/"}, ungated))
     return routes
 
 
