@@ -22,10 +22,10 @@ under a burst, is down, is restarting) and whatever `failure_mode_allow` says, o
 has more gated requests at the engine than the gate itself would admit; the next one gets
 Envoy's own 503 at once, shaped like the service's (JSON body, `Retry-After`,
 `x-admission-outcome: engine_overloaded`, local reply config on response flag UO); every other
-answer Envoy makes itself is shaped the same way (`LOCAL_REPLIES`). Gated paths,
-and any path with an escaped slash or backslash that the engine's router could decode into one,
-go to that cluster; every other path (`/v1/models`, `/health`, `/tokenize`, ...) goes to a
-second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
+answer Envoy makes itself is shaped the same way (`LOCAL_REPLIES`). Gated paths, any path
+with an escaped slash or backslash that the engine's router could decode into one, and every
+other POST off the pass list go to that cluster; the pass list and every other request
+(`/v1/models`, `/health`, `/tokenize`, GETs, ...) go to a second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
 long generations never starve health checks and model listings.
 
 One message per request where it is safe (measured on a do-nothing ext_proc: 1,960 -> 3,470
@@ -44,6 +44,11 @@ metadata (`llm_admission.engine`, the only namespace ext_proc may write), with t
 again after its answer: a header would not do, since Envoy applies no header mutation from a body
 answer when it skipped the headers phase. A one-message route is the route until then, and it
 answers `engine_not_selected` if the service named no engine; so does every gated path.
+
+Every POST that is not on the pass list (`ADMISSION_PASS_PATHS`, vLLM's cheap routes) is gated,
+an unknown path included, and routed as a gated path (to the bounded cluster, or by the
+service's metadata): a route a new engine release adds never reaches the engine unbounded
+through the catch-all while the service is down and Envoy fails open.
 
 Every request header starting with `x-admission-` is removed as the request enters Envoy (HCM
 early header mutation, before routing): a client can neither pose as the service's answer nor

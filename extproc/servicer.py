@@ -1,9 +1,14 @@
 """The ext_proc gRPC servicer: translates Envoy's per-request stream into admission decisions.
 
 Protocol rules this module relies on (Envoy 1.40, DESIGN.md):
-- One bidirectional stream per HTTP request. Envoy sends `request_headers`, then (body mode
-  BUFFERED_PARTIAL) one `request_body` holding the whole body, or only its first
-  `per_connection_buffer_limit_bytes` with `end_of_stream=false` when it is larger.
+- One bidirectional stream per HTTP request. Envoy sends `request_headers`, then one
+  `request_body` holding the whole body (`end_of_stream=false` when request trailers follow it).
+  A gated JSON request's headers answer switches the body mode to BUFFERED: Envoy holds the
+  headers until the body's answer (under the filter's BUFFERED_PARTIAL, a body still arriving
+  when the headers were answered let them on to the router, which chose its route before the
+  body's answer could name the engine) and answers 413 itself past the cap. A multipart upload
+  keeps BUFFERED_PARTIAL: only its first `per_connection_buffer_limit_bytes` come, with
+  `end_of_stream=false`, when it is larger.
 - On a one-message route (one engine, a POST to a gated JSON path declaring a body: envoyconf)
   Envoy skips the headers phase: the stream's gRPC metadata names the gated path
   (`ENDPOINT_METADATA`), its only request message is `request_body` with the whole body (body
