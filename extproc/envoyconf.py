@@ -25,8 +25,9 @@ Envoy's own 503 at once, shaped like the service's (JSON body, `Retry-After`,
 answer Envoy makes itself is shaped the same way (`LOCAL_REPLIES`). Gated paths, any path
 with an escaped slash or backslash that the engine's router could decode into one, and every
 other POST off the pass list go to that cluster; the pass list and every other request
-(`/v1/models`, `/health`, `/tokenize`, GETs, ...) go to a second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
-long generations never starve health checks and model listings.
+(`/v1/models`, `/health`, `/tokenize`, GETs, ...) go to a second cluster for the same engine
+(`<cluster>_ungated`) with the service's stream limit, so long generations never starve health
+checks and model listings.
 
 One message per request where it is safe (measured on a do-nothing ext_proc: 1,960 -> 3,470
 requests/s): a POST to a gated JSON path that declares a body (`content-length` of at least
