@@ -9,8 +9,9 @@ point where the stream has learnt something new:
    body is rejected (`Rejected`); otherwise the request is `Gated` and its body is read. On a
    one-message route (no headers phase) `classify_route` makes it `Gated` from the path the route
    names: Envoy's route has already checked the method and that a body is declared.
-2. `classify_body` (the `request_body` message): a body over the cap (or a prefix of one, sent
-   with `end_of_stream=false`) and a body the endpoint's parser refuses are rejected; with no
+2. `classify_body` (the `request_body` message): a body over the cap (or a prefix of one, cut
+   at the cap and sent with `end_of_stream=false`; a shorter body with `end_of_stream=false` is
+   whole, with trailers after it) and a body the endpoint's parser refuses are rejected; with no
    model configured the request passes; otherwise the body's `BodyFacts` (model, stream, sizes,
    n / best_of) are what admission needs.
 3. `route` (after the model registry's answer): the engine serving the model, or 404.
@@ -99,7 +100,11 @@ def classify_route(path: str) -> Gated:
 def classify_body(gated: Gated, body: bytes, end_of_stream: bool, settings: Settings) -> BodyFacts | Passed | Rejected:
     """The body's verdict: the facts admission needs, passed through (nothing gated), or rejected."""
     # A multipart upload (audio) may exceed the cap: its form fields are read from the prefix.
-    if not gated.endpoint.multipart and (not end_of_stream or len(body) > settings.max_body_bytes):
+    # `end_of_stream` false does not make a body too large: Envoy sends the whole body so when
+    # request trailers follow it (HTTP/2, gRPC-web). Only a prefix Envoy cut at its buffer limit
+    # (BUFFERED_PARTIAL; the cap) is: it holds at least the cap.
+    if not gated.endpoint.multipart and (len(body) > settings.max_body_bytes
+                                         or (not end_of_stream and len(body) >= settings.max_body_bytes)):
         return too_large(settings, None)
     try:
         facts = body_facts(gated.endpoint, body, gated.content_type, end_of_stream, settings.bytes_per_token)

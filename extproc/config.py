@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from .endpoints import DEFAULT_GATED_PATHS, canonical_path
+from .endpoints import DEFAULT_GATED_PATHS, DEFAULT_PASS_PATHS, canonical_path, path_pattern
 from .settings_table import BY_ENV, ENGINE_KEYS, Setting
 
 
@@ -107,6 +107,7 @@ class Settings:
     estimate_safety_factor: float
     default_max_tokens: int
     gated_paths: tuple[str, ...]
+    pass_paths: tuple[str, ...]  # ungated whatever the method; any other POST is gated
     engines: tuple[EngineConfig, ...]
     max_streams: int
     models_refresh_seconds: float  # 0 = only the configured models; else re-read each engine's /v1/models
@@ -175,6 +176,7 @@ class Settings:
                                     "tools": self.estimate.template_tools},
             },
             "gated_paths": list(self.gated_paths),
+            "pass_paths": list(self.pass_paths),
             "models_refresh_s": self.models_refresh_seconds,
             "gating": self.gating,
             "config_file": self.config_file,
@@ -448,6 +450,17 @@ def load_settings(env: Mapping[str, str]) -> Settings:
             raise ConfigError(
                 f"ADMISSION_GATED_PATHS={env.get('ADMISSION_GATED_PATHS')!r}: {path!r} must be a plain path as the "
                 "engine routes it (no percent-encoding, ';', '?', dot segments, doubled or trailing '/')")
+    passes = (_csv(env.get("ADMISSION_PASS_PATHS")) if env.get("ADMISSION_PASS_PATHS") is not None
+              else DEFAULT_PASS_PATHS)
+    for path in passes:
+        where = f"ADMISSION_PASS_PATHS={env.get('ADMISSION_PASS_PATHS')!r}: {path!r}"
+        if not path.startswith("/") or canonical_path(path) != path.lower():
+            raise ConfigError(f"{where} must be a plain path starting with '/' (no percent-encoding, ';', '?', "
+                              "dot segments, doubled or trailing '/'; '*' stands for one segment)")
+        if "*" in path and any(segment != "*" and "*" in segment for segment in path.split("/")):
+            raise ConfigError(f"{where}: '*' must be a whole segment")
+        if any(re.fullmatch(path_pattern(path), gated_path) for gated_path in gated):
+            raise ConfigError(f"{where} is also a gated path (ADMISSION_GATED_PATHS): a path is gated or passed")
     ledger = _choice(env, "ADMISSION_LEDGER")
     redis_url = (_redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL")
                  else None)
@@ -483,6 +496,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         estimate_safety_factor=_float(env, "ADMISSION_ESTIMATE_SAFETY_FACTOR"),
         default_max_tokens=_int(env, "ADMISSION_DEFAULT_MAX_TOKENS"),
         gated_paths=gated,
+        pass_paths=passes,
         engines=engines,
         max_streams=_int(env, "EXTPROC_MAX_STREAMS"),
         models_refresh_seconds=_float(env, "ADMISSION_MODELS_REFRESH_SECONDS"),

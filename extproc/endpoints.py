@@ -78,10 +78,32 @@ KNOWN_ENDPOINTS: dict[str, Endpoint] = {
         Endpoint("/v2/rerank", text_keys=_SCORE_TEXT, generates=False),
         Endpoint("/v1/audio/transcriptions", multipart=True),
         Endpoint("/v1/audio/translations", multipart=True),
+        # vLLM 0.33's other engine routes: their prompts' keys are not all known here, so every
+        # string in the body but the model name counts as prompt text (an over-estimate, not a bypass).
+        Endpoint("/v1/chat/completions/batch", text_keys=_ALL),
+        Endpoint("/cohere/v2/chat"),
+        Endpoint("/v1/decisions", text_keys=_ALL),
+        Endpoint("/v1/systemone", text_keys=_ALL),
+        Endpoint("/generative_scoring", text_keys=_ALL),
+        Endpoint("/v2/embed", text_keys=("texts", "inputs", "input", "images"), generates=False),
     )
 }
 
 DEFAULT_GATED_PATHS: tuple[str, ...] = tuple(KNOWN_ENDPOINTS)
+
+#: What passes ungated by default, whatever the method: vLLM's cheap routes (no engine step). A
+#: `*` stands for one path segment. Any other POST is gated (unknown engine routes included);
+#: vLLM's admin POSTs (`/sleep`, `/wake_up`, `/reset_prefix_cache`, LoRA loading, ...) are not
+#: here, so they are refused (no `model`) unless an operator lists them.
+DEFAULT_PASS_PATHS: tuple[str, ...] = (
+    "/tokenize", "/detokenize", "/v1/models", "/health", "/ping", "/version", "/metrics",
+    "/v1/responses/*/cancel",
+)
+
+
+def path_pattern(path: str) -> str:
+    """A pass-list entry as a regex of the whole path (RE2 and Python alike): `*` is one segment."""
+    return "[^/]+".join(re.escape(part) for part in path.split("*"))
 
 
 def endpoint_for(path: str) -> Endpoint:
@@ -120,18 +142,25 @@ def canonical_path(path: str) -> str:
 
 
 class PathRules:
-    def __init__(self, gated_paths: tuple[str, ...]) -> None:
+    def __init__(self, gated_paths: tuple[str, ...], pass_paths: tuple[str, ...] = DEFAULT_PASS_PATHS) -> None:
         self._gated = frozenset(gated_paths)
         self._canonical = frozenset(canonical_path(p) for p in gated_paths)
+        self._passes = frozenset(p for p in pass_paths if "*" not in p)
+        self._pass_patterns = re.compile("|".join(path_pattern(p) for p in pass_paths if "*" in p) or "(?!)")
 
     def route(self, method: str, target: str) -> tuple[Route, str]:
-        """Classify a request by its method and `:path` (query included); returns the path without query."""
+        """Classify a request by its method and `:path` (query included); returns the path without query.
+
+        A POST is gated unless its path is on the pass list: a route vLLM added since this list was
+        written does engine work, so an unknown POST is gated (its body must name a model), never passed."""
         path = target.split("?", 1)[0]
         if path in self._gated:
             return (Route.GATED if method == "POST" else Route.PASS), path
         if canonical_path(path) in self._canonical:
             return Route.AMBIGUOUS, path
-        return Route.PASS, path
+        if method != "POST" or path in self._passes or self._pass_patterns.fullmatch(path):
+            return Route.PASS, path
+        return Route.GATED, path
 
 
 # --- bodies --------------------------------------------------------------------------------------

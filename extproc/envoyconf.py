@@ -22,11 +22,12 @@ under a burst, is down, is restarting) and whatever `failure_mode_allow` says, o
 has more gated requests at the engine than the gate itself would admit; the next one gets
 Envoy's own 503 at once, shaped like the service's (JSON body, `Retry-After`,
 `x-admission-outcome: engine_overloaded`, local reply config on response flag UO); every other
-answer Envoy makes itself is shaped the same way (`LOCAL_REPLIES`). Gated paths,
-and any path with an escaped slash or backslash that the engine's router could decode into one,
-go to that cluster; every other path (`/v1/models`, `/health`, `/tokenize`, ...) goes to a
-second cluster for the same engine (`<cluster>_ungated`) with the service's stream limit, so
-long generations never starve health checks and model listings.
+answer Envoy makes itself is shaped the same way (`LOCAL_REPLIES`). Gated paths, any path
+with an escaped slash or backslash that the engine's router could decode into one, and every
+other POST off the pass list go to that cluster; the pass list and every other request
+(`/v1/models`, `/health`, `/tokenize`, GETs, ...) go to a second cluster for the same engine
+(`<cluster>_ungated`) with the service's stream limit, so long generations never starve health
+checks and model listings.
 
 One message per request where it is safe (measured on a do-nothing ext_proc: 1,960 -> 3,470
 requests/s): a POST to a gated JSON path that declares a body (`content-length` of at least
@@ -44,6 +45,11 @@ metadata (`llm_admission.engine`, the only namespace ext_proc may write), with t
 again after its answer: a header would not do, since Envoy applies no header mutation from a body
 answer when it skipped the headers phase. A one-message route is the route until then, and it
 answers `engine_not_selected` if the service named no engine; so does every gated path.
+
+Every POST that is not on the pass list (`ADMISSION_PASS_PATHS`, vLLM's cheap routes) is gated,
+an unknown path included, and routed as a gated path (to the bounded cluster, or by the
+service's metadata): a route a new engine release adds never reaches the engine unbounded
+through the catch-all while the service is down and Envoy fails open.
 
 Every request header starting with `x-admission-` is removed as the request enters Envoy (HCM
 early header mutation, before routing): a client can neither pose as the service's answer nor
@@ -102,7 +108,7 @@ from .contract import (
     STRIPPED_HEADER_PREFIX,
     UNGATED_CLUSTER_SUFFIX,
 )
-from .endpoints import endpoint_for
+from .endpoints import endpoint_for, path_pattern
 from .outcomes import ENVOY_REJECTIONS, REJECTIONS, Outcome, Rejection
 
 DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
@@ -281,16 +287,31 @@ def _one_message_route(settings: Settings, path: str, action: dict[str, Any]) ->
     return route
 
 
+def _pass_matches(settings: Settings) -> list[dict[str, Any]]:
+    """The pass list's paths (any method), as route matches."""
+    return [{"safe_regex": {"regex": path_pattern(p)}} if "*" in p else {"path": p} for p in settings.pass_paths]
+
+
+_ANY_POST = {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
+
+
 def _routes(settings: Settings, bound: bool, one_message: bool) -> list[dict[str, Any]]:
-    """Gated paths to each engine's bounded cluster (by the service's metadata with several engines,
-    503 when it named none; the first engine's with one), the one-message routes first when
-    `one_message`; everything else to the first engine's ungated cluster."""
+    """Gated paths, and every POST off the pass list, to each engine's bounded cluster (by the
+    service's metadata with several engines, 503 when it named none; the first engine's with one),
+    the one-message routes first when `one_message`; the pass list and every other request to the
+    first engine's ungated cluster."""
     engines, first = settings.engines, settings.engines[0]
     if not settings.gating or not bound:
         routes = [_route({"prefix": "/"}, e.cluster, e) for e in engines] if len(engines) > 1 else []
         return routes + [_route({"prefix": "/"}, first.cluster)]
+    ungated = first.cluster + UNGATED_CLUSTER_SUFFIX
+    # A POST to a path nobody listed is gated (the service gates it too): a route a new engine
+    # release adds does engine work until someone says otherwise, and must not pass unbounded
+    # (as the catch-all would) while the service is down and Envoy fails open.
     gated: list[dict[str, Any]] = [{"path": path} for path in settings.gated_paths]
     gated.append({"safe_regex": {"regex": ESCAPED_SEPARATOR_REGEX}})
+    gated.append(_ANY_POST)
+    passed = [_route(m, ungated) for m in _pass_matches(settings)]
     one_message_paths = [p for p in settings.gated_paths if one_message and not endpoint_for(p).multipart]
     if len(engines) > 1:
         # No engine named: the service did not answer (down, or late and Envoy failed open). Only
@@ -301,12 +322,14 @@ def _routes(settings: Settings, bound: bool, one_message: bool) -> list[dict[str
         unnamed = {"direct_response": {"status": ENVOY_REJECTIONS[Outcome.ENGINE_NOT_SELECTED].status}}
         routes = [_route(m, e.cluster, e) for e in engines for m in gated]
         routes += [_one_message_route(settings, path, unnamed) for path in one_message_paths]
+        routes += passed
         routes += [{"match": m, **unnamed} for m in gated]
     else:
         routes = [_one_message_route(settings, path, {"route": {"cluster": first.cluster, "timeout": "0s"}})
                   for path in one_message_paths]
+        routes += passed
         routes += [_route(m, first.cluster) for m in gated]
-    routes.append(_route({"prefix": "/"}, first.cluster + UNGATED_CLUSTER_SUFFIX))
+    routes.append(_route({"prefix": "/"}, ungated))
     return routes
 
 

@@ -1,9 +1,14 @@
 """The ext_proc gRPC servicer: translates Envoy's per-request stream into admission decisions.
 
 Protocol rules this module relies on (Envoy 1.40, DESIGN.md):
-- One bidirectional stream per HTTP request. Envoy sends `request_headers`, then (body mode
-  BUFFERED_PARTIAL) one `request_body` holding the whole body, or only its first
-  `per_connection_buffer_limit_bytes` with `end_of_stream=false` when it is larger.
+- One bidirectional stream per HTTP request. Envoy sends `request_headers`, then one
+  `request_body` holding the whole body (`end_of_stream=false` when request trailers follow it).
+  A gated JSON request's headers answer switches the body mode to BUFFERED: Envoy holds the
+  headers until the body's answer (under the filter's BUFFERED_PARTIAL, a body still arriving
+  when the headers were answered let them on to the router, which chose its route before the
+  body's answer could name the engine) and answers 413 itself past the cap. A multipart upload
+  keeps BUFFERED_PARTIAL: only its first `per_connection_buffer_limit_bytes` come, with
+  `end_of_stream=false`, when it is larger.
 - On a one-message route (one engine, a POST to a gated JSON path declaring a body: envoyconf)
   Envoy skips the headers phase: the stream's gRPC metadata names the gated path
   (`ENDPOINT_METADATA`), its only request message is `request_body` with the whole body (body
@@ -74,6 +79,15 @@ log = logging.getLogger("extproc.servicer")
 
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+#: A gated JSON request's headers answer: its whole body is the next message, and Envoy holds the
+#: headers until the body's answer. Under the filter's BUFFERED_PARTIAL a body that had not fully
+#: arrived when this answer came let the headers on to the router first: the route was chosen (with
+#: several engines, the `engine_not_selected` one) and the response sent before the body's answer
+#: could name the engine (`!route_cache_blocked_`). Past the cap Envoy answers 413 itself.
+_BUFFER_BODY = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
+)
 _SKIP_BODY = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE),
@@ -201,7 +215,9 @@ class Conversation:
         if isinstance(verdict, Gated):
             s.gated = verdict
             s.phase = Phase.BODY
-            await self._write(_CONTINUE_HEADERS)
+            # A multipart upload may exceed the cap: it keeps BUFFERED_PARTIAL (its form fields
+            # are read from the prefix).
+            await self._write(_CONTINUE_HEADERS if verdict.endpoint.multipart else _BUFFER_BODY)
         elif isinstance(verdict, Passed):
             self._record(Outcome.PASSED_THROUGH, verdict.reason)
             s.phase = Phase.OPEN
@@ -333,7 +349,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.estimator = Estimator(settings, metrics)
         multi_engine = len(settings.engines) > 1
         self._shared = _Shared(
-            settings=settings, admission=admission, metrics=metrics, paths=PathRules(settings.gated_paths),
+            settings=settings, admission=admission, metrics=metrics,
+            paths=PathRules(settings.gated_paths, settings.pass_paths),
             models=models or ModelRegistry(settings), estimator=self.estimator,
             admitted_responses={e.name: admitted_response(e.name, multi_engine) for e in settings.engines},
             park_responses={e.name: _park_response(e) for e in settings.engines},

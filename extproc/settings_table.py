@@ -182,6 +182,10 @@ SETTINGS: tuple[Setting, ...] = (
             chart="admission.engineQueueSlots", kind="int", bounds=_COUNT),
     Setting("ADMISSION_GATED_PATHS", "POST paths subject to admission", "every vLLM generation/pooling endpoint",
             literal=False, chart="admission.gatedPaths", kind="list"),
+    Setting("ADMISSION_PASS_PATHS",
+            "paths passed ungated whatever the method ('*' = one segment); every other POST is gated",
+            "vLLM's cheap routes: /tokenize, /detokenize, /v1/models, /health, /ping, /version, /metrics, "
+            "/v1/responses/*/cancel", literal=False, chart="admission.passPaths", kind="list"),
     Setting("ADMISSION_GENERATION_RESERVATION",
             "KV reserved for generation: max_tokens = the limit, learned = factor x the engine's mean",
             "max_tokens", chart="admission.generationReservation", kind="choice", choices=("max_tokens", "learned")),

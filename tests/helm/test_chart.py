@@ -308,20 +308,24 @@ def test_several_engines_get_one_cluster_each_and_header_routes(chart: Chart) ->
     picked = [(rt["match"].get("dynamic_metadata", [{}])[0].get("value", {}).get("string_match", {}).get("exact"),
                rt["route"]["cluster"] if "route" in rt else rt["direct_response"])
               for rt in routes]
-    gated = len(r.values["admission"]["gatedPaths"]) + 1  # each gated path + escaped separators
+    gated = len(r.values["admission"]["gatedPaths"]) + 2  # each gated path + escaped separators + any other POST
+    passed = len(r.values["admission"]["passPaths"])
     one_message = sum(1 for rt in routes if "typed_per_filter_config" in rt)  # a POST declaring its body
     assert one_message == sum(1 for p in r.values["admission"]["gatedPaths"] if not p.startswith("/v1/audio/"))
     # No engine named by the service: 503 engine_not_selected, never a guess.
     assert picked == (
         [("qwen", "engine_qwen")] * gated + [("llama", "engine_llama")] * gated
-        + [("mistral-small", "engine_mistral-small")] * gated + [(None, {"status": 503})] * (one_message + gated)
+        + [("mistral-small", "engine_mistral-small")] * gated + [(None, {"status": 503})] * one_message
+        + [(None, "engine_qwen_ungated")] * passed + [(None, {"status": 503})] * gated
         + [(None, "engine_qwen_ungated")])
     # The engine is named only in the service's metadata, never by a header a client could send.
     assert all(m["filter"] == "llm_admission" for rt in routes for m in rt["match"].get("dynamic_metadata", []))
     assert not any(h["name"].startswith("x-admission-") for rt in routes for h in rt["match"].get("headers", []))
     # One engine: gated paths to its bounded cluster without a header match, the rest ungated.
     single = _hcm(chart.render().envoy)["route_config"]["virtual_hosts"][0]["routes"]
-    assert {rt["route"]["cluster"] for rt in single[:-1]} == {"engine_vllm"}
+    ungated = [rt for rt in single[:-1] if rt["route"]["cluster"] == "engine_vllm_ungated"]
+    assert len(ungated) == len(chart.render().values["admission"]["passPaths"])  # the pass list
+    assert {rt["route"]["cluster"] for rt in single[:-1] if rt not in ungated} == {"engine_vllm"}
     assert single[-1] == {"match": {"prefix": "/"}, "route": {"cluster": "engine_vllm_ungated", "timeout": "0s"}}
 
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 
-from devstack import Child, free_port, simulator_argv, with_checkout
+from devstack import Child, free_port, simulator_argv, wait_until, with_checkout
 
 from .conftest import Stack, two_engine_env
-from .http import chat_body, get, post
+from .http import Reply, chat_body, get, post
 
 
 def _arrival(stack: Stack, request_id: str) -> dict:
@@ -129,3 +131,86 @@ def test_with_several_engines_a_parked_one_message_request_reaches_its_engine_on
     assert stack.arrivals() == ["parked"]
     assert stack.envoy_stat(r"^http\.inference\.ext_proc\.stream_msgs_sent$") - sent == 1  # the body alone
     assert stack.metric("admission_admitted_total", engine="a", via="admitted_after_park") == 1
+
+
+def _h2_post_with_trailers(port: int, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """POST over HTTP/2 (prior knowledge) with the body in one DATA frame and request trailers after it."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "gateway"),
+                              ("content-type", "application/json"), ("te", "trailers")])
+        conn.send_data(1, body)
+        conn.send_headers(1, [("x-checksum", "abc")], end_stream=True)
+        sock.sendall(conn.data_to_send())
+        status, headers, data = 0, {}, b""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            for event in conn.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    headers = dict(event.headers)
+                    status = int(headers[":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    return status, headers, data
+            sock.sendall(conn.data_to_send())
+    raise AssertionError("no complete HTTP/2 answer within 30 s")
+
+
+def test_request_trailers_do_not_make_a_small_body_too_large(stack: Stack) -> None:
+    body = chat_body("hi", max_tokens=2)
+    assert len(body) < 100
+    status, headers, data = _h2_post_with_trailers(stack.local.envoy_port, "/v1/chat/completions", body)
+    assert (status, headers.get("x-admission-outcome")) == (200, None), data
+    assert json.loads(data)["model"] == "sim-model"
+    assert stack.metric("admission_admitted_total", via="admitted") == 1
+    assert stack.metric("admission_rejected_total", reason="body_too_large") == 0
+
+
+def test_with_several_engines_a_chunked_body_after_the_headers_answer_reaches_the_engine_the_service_named(
+        make_stack, tmp_path: Path) -> None:  # noqa: ANN001
+    # The body arrives only once the service has answered the headers: Envoy must still hold the
+    # headers until the body's answer names the engine (before the fix it let them on to the router,
+    # which chose the engine_not_selected route, and the answer could no longer re-route).
+    sim_port = free_port()
+    stack = make_stack(two_engine_env(tmp_path, sim_port, free_port(), "model-b"), sim_port=sim_port)
+    answers = r"^http\.inference\.ext_proc\.stream_msgs_received$"
+    body = chat_body(model="sim-model", max_tokens=2)
+    for attempt in range(3):
+        before = stack.envoy_stat(answers)
+        with socket.create_connection(("127.0.0.1", stack.local.envoy_port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+                         b"x-request-id: late-body-%d\r\ntransfer-encoding: chunked\r\n\r\n" % attempt)
+            wait_until(lambda before=before: stack.envoy_stat(answers) > before, 10,
+                       "the service's answer to the headers")
+            sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            reply = _read_http1(sock)
+        assert (reply.status, reply.headers.get("x-admission-outcome")) == (200, None), reply.body
+    assert stack.arrivals() == [f"late-body-{i}" for i in range(3)]
+    assert stack.metric("admission_admitted_total", engine="a", model="sim-model") == 3
+
+
+def _read_http1(sock: socket.socket) -> Reply:
+    """One HTTP/1.1 answer with a content-length, read off `sock`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    while len(payload) < int(headers.get("content-length", "0")):
+        chunk = sock.recv(65536)
+        assert chunk, payload
+        payload += chunk
+    return Reply(int(lines[0].split()[1]), headers, payload)

@@ -26,7 +26,7 @@ def _settings(**env: str) -> Settings:
 def _headers(settings: Settings, path: str = CHAT, method: str = "POST", end_of_stream: bool = False,
              **extra: str) -> Gated | Passed | Rejected:
     headers = {":method": method, ":path": path, "content-type": "application/json", **extra}
-    return classify_headers(headers, end_of_stream, PathRules(settings.gated_paths), settings)
+    return classify_headers(headers, end_of_stream, PathRules(settings.gated_paths, settings.pass_paths), settings)
 
 
 def _gated(settings: Settings, path: str = CHAT, content_type: str = "application/json") -> Gated:
@@ -51,6 +51,49 @@ def _facts(settings: Settings, body: bytes, path: str = CHAT) -> BodyFacts:
 def test_an_ungated_path_passes_without_reading_the_body() -> None:
     assert _headers(_settings(), "/v1/models", method="GET") == Passed("path_not_gated")
     assert _headers(_settings(), "/health") == Passed("path_not_gated")
+
+
+@pytest.mark.parametrize("path", ["/v9/new-thing", "/v1/chat/completions/batch", "/v1/decisions", "/v1/systemone",
+                                  "/generative_scoring", "/v2/embed", "/inference/v1/generate",
+                                  "/v1/audio/translations", "/cohere/v2/chat", "/sleep", "/reset_prefix_cache"])
+def test_a_post_to_any_path_off_the_pass_list_is_gated(path: str) -> None:
+    verdict = _headers(_settings(), path)
+    assert isinstance(verdict, Gated) and verdict.path == path
+
+
+def test_an_unknown_post_counts_every_string_but_the_model_as_prompt() -> None:
+    settings = _settings()
+    body = json.dumps({"model": "m", "thing": {"text": "x" * 100}, "more": ["y" * 50]}).encode()
+    facts = classify_body(_gated(settings, "/v9/new-thing"), body, True, settings)
+    assert isinstance(facts, BodyFacts) and facts.model == "m" and facts.prompt_bytes == 150
+
+
+def test_an_unknown_post_without_a_model_is_refused_not_passed() -> None:
+    settings = _settings()
+    verdict = classify_body(_gated(settings, "/v9/new-thing"), b'{"prompt": "hi"}', True, settings)
+    assert isinstance(verdict, Rejected) and verdict.outcome is Outcome.MISSING_MODEL
+    no_body = _headers(settings, "/sleep", end_of_stream=True)
+    assert isinstance(no_body, Rejected) and no_body.outcome is Outcome.INVALID_BODY
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/models", "/health", "/ping", "/version",
+                                  "/metrics", "/v1/responses/resp_1/cancel"])
+def test_the_cheap_routes_pass_whatever_the_method(path: str) -> None:
+    assert _headers(_settings(), path) == Passed("path_not_gated")
+    assert _headers(_settings(), path, method="GET") == Passed("path_not_gated")
+
+
+def test_the_pass_list_is_a_setting() -> None:
+    settings = _settings(ADMISSION_PASS_PATHS="/sleep,/v1/*/admin")
+    assert _headers(settings, "/sleep") == Passed("path_not_gated")
+    assert _headers(settings, "/v1/x/admin") == Passed("path_not_gated")
+    assert isinstance(_headers(settings, "/v1/x/y/admin"), Gated)  # `*` is one segment
+    assert isinstance(_headers(settings, "/tokenize"), Gated)  # the list replaces the default
+
+
+def test_another_method_to_an_unknown_path_passes() -> None:
+    for method in ("GET", "PUT", "PATCH", "DELETE"):
+        assert _headers(_settings(), "/v9/new-thing", method=method) == Passed("path_not_gated")
 
 
 def test_a_gated_path_read_with_another_method_passes() -> None:
@@ -97,10 +140,18 @@ def test_a_gated_post_without_a_body_is_rejected() -> None:
 # --- bodies --------------------------------------------------------------------------------------
 
 
-def test_a_body_prefix_is_too_large() -> None:
+def test_a_body_prefix_cut_at_the_cap_is_too_large() -> None:
     settings = _settings()
-    verdict = classify_body(_gated(settings), b'{"model": "m", "messages": [', False, settings)
+    prefix = b'{"model": "m", "messages": [' + b" " * 4096
+    verdict = classify_body(_gated(settings), prefix[:4096], False, settings)
     assert verdict == Rejected(Outcome.BODY_TOO_LARGE, "request body exceeds the limit of 4096 bytes")
+
+
+def test_a_body_followed_by_trailers_is_whole_whatever_its_end_of_stream_says() -> None:
+    # Envoy sends the whole body with end_of_stream=false when request trailers follow it (HTTP/2).
+    settings = _settings()
+    facts = classify_body(_gated(settings), _body(), False, settings)
+    assert isinstance(facts, BodyFacts) and facts.model == "m"
 
 
 def test_a_whole_body_over_the_cap_is_too_large() -> None:

@@ -44,6 +44,9 @@ PARK_ENV = {**ENV, "ADMISSION_MAX_PARK_SECONDS": "30", "VLLM_MAX_QUEUE_DEPTH": "
 
 CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+BUFFER_BODY = pb.ProcessingResponse(  # a gated JSON request's headers: Envoy holds them until the whole body's answer
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED))
 SKIP_BODY = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
     mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE))
@@ -118,7 +121,7 @@ def _idle(admission: Admission, engine: str = "default") -> bool:
 async def _park(admission: Admission, servicer: ExternalProcessor, stream: CannedStream) -> None:
     """Take the one slot with another request, then park this stream's request."""
     body = chat_body()
-    assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+    assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
     assert await stream.exchange(body_message(body)) == PARK_35S
     assert admission.gate("default").queue_depth == 1
 
@@ -151,7 +154,7 @@ def test_a_request_under_the_limit_is_admitted_and_routed_then_freed_when_its_st
         stream = CannedStream()
         task = _serve(servicer, stream)
         body = chat_body()
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         assert await stream.exchange(body_message(body)) == admitted()
         assert (admission.gate("default").inflight, admission.inflight) == (1, 1)
         # The response phase and trailers pass untouched while the engine answers.
@@ -192,7 +195,7 @@ def test_each_model_is_routed_to_its_engine_and_the_route_is_recomputed(tmp_path
             stream = CannedStream()
             task = _serve(servicer, stream)
             body = chat_body(model)
-            assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+            assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
             assert await stream.exchange(body_message(body)) == admitted(engine, several_engines=True)
             assert admission.gate(engine).inflight == 1
             stream.end()
@@ -331,7 +334,7 @@ def test_a_stream_reset_after_admission_finishes_the_ticket_once(how: str) -> No
         stream = CannedStream()
         task = _serve(servicer, stream)
         body = chat_body()
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         assert await stream.exchange(body_message(body)) == admitted()
         await _until(lambda: stream.reads == 3)  # waiting for the HTTP stream's end
         if how == "cancelled":
@@ -378,7 +381,7 @@ def test_a_full_queue_is_answered_503_with_retry_after_and_the_stream_ends() -> 
         stream = CannedStream()
         task = _serve(servicer, stream)
         body = chat_body()
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         assert await stream.exchange(body_message(body)) == rejected(
             503, "queue_full", "service_unavailable",
             "engine `default` is at capacity and its queue is full; retry later", retry_after="5")
@@ -402,7 +405,7 @@ def test_a_request_larger_than_the_kv_cache_is_answered_400_with_its_sizes() -> 
         stream = CannedStream()
         task = _serve(servicer, stream)
         body = chat_body(max_tokens=5000)
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         answer = await stream.exchange(body_message(body))
         await asyncio.wait_for(task, 5)
         decided = admission.recent("default")[-1]
@@ -426,7 +429,7 @@ def test_a_request_during_shutdown_is_answered_503() -> None:
         stream = CannedStream()
         task = _serve(servicer, stream)
         body = chat_body()
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         assert await stream.exchange(body_message(body)) == rejected(
             503, "shutting_down", "service_unavailable", "the admission service is shutting down; retry", "5")
         await asyncio.wait_for(task, 5)
@@ -442,8 +445,9 @@ def test_a_body_prefix_over_the_cap_is_answered_413_json() -> None:
         task = _serve(servicer, stream)
         body = chat_body()
         assert await stream.exchange(headers_message([(":method", "POST"), (":path", "/v1/chat/completions"),
-                                                      ("content-type", "application/json")])) == CONTINUE_HEADERS
-        assert await stream.exchange(body_message(body[:10], end_of_stream=False)) == rejected(
+                                                      ("content-type", "application/json")])) == BUFFER_BODY
+        prefix = body[:10] + b" " * (1048576 - 10)  # what Envoy cut at its buffer limit (the cap)
+        assert await stream.exchange(body_message(prefix, end_of_stream=False)) == rejected(
             413, "body_too_large", "invalid_request_error", "request body exceeds the limit of 1048576 bytes")
         await asyncio.wait_for(task, 5)
         assert _counted(metrics, "admission_rejected_total", "reason", "body_too_large", "none", "") == 1
@@ -477,7 +481,7 @@ def test_a_body_that_cannot_be_admitted_is_answered_with_its_status(
     async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
         stream = CannedStream()
         task = _serve(servicer, stream)
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         answer = await stream.exchange(body_message(body))
         text = message or json.loads(answer.immediate_response.body)["error"]["message"]
         assert answer == rejected(status, outcome, error_type, text)
@@ -601,7 +605,7 @@ def test_a_one_message_stream_that_starts_with_headers_is_a_two_message_conversa
         stream = CannedStream(metadata=route_metadata())
         task = _serve(servicer, stream)
         body = chat_body()
-        assert await stream.exchange(chat_headers(body)) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
         assert await stream.exchange(body_message(body)) == admitted()
         stream.end()
         await asyncio.wait_for(task, 5)
@@ -647,7 +651,7 @@ def test_trailers_instead_of_a_body_are_answered_continue_and_nothing_is_admitte
     async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
         stream = CannedStream()
         task = _serve(servicer, stream)
-        assert await stream.exchange(chat_headers(chat_body())) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(chat_body())) == BUFFER_BODY
         assert await stream.exchange(pb.ProcessingRequest(request_trailers=pb.HttpTrailers())) == \
             pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
         stream.end()
@@ -661,7 +665,7 @@ def test_a_stream_that_ends_before_its_body_leaves_nothing_behind() -> None:
     async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
         stream = CannedStream()
         task = _serve(servicer, stream)
-        assert await stream.exchange(chat_headers(chat_body())) == CONTINUE_HEADERS
+        assert await stream.exchange(chat_headers(chat_body())) == BUFFER_BODY
         stream.end()
         await asyncio.wait_for(task, 5)
         assert _idle(admission) and admission.recent("default") == ()
@@ -683,7 +687,7 @@ def test_the_stream_state_has_a_readable_repr() -> None:
         await conversation.receive(body_message(body))
         assert repr(conversation.stream).startswith("<Stream req-7 /v1/chat/completions open engine=default ")
         await conversation.close()
-        assert written == [CONTINUE_HEADERS, admitted()] and _idle(admission)
+        assert written == [BUFFER_BODY, admitted()] and _idle(admission)
 
     _run(scenario)
 

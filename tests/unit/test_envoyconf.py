@@ -172,15 +172,17 @@ def test_several_engines_get_a_cluster_each_and_routes_on_the_services_metadata(
     picked = [(r["match"].get("dynamic_metadata", [{}])[0].get("value", {}).get("string_match", {}).get("exact"),
                r["route"]["cluster"] if "route" in r else r["direct_response"])
               for r in routes]
-    gated = len(settings.gated_paths) + 1  # each gated path, and any path with an escaped separator
+    gated = len(settings.gated_paths) + 2  # each gated path, any path with an escaped separator, any other POST
     one_message = len(_one_message_routes(doc))  # a POST declaring a body to a JSON endpoint
+    passed = len(settings.pass_paths)
     # A gated path the service named no engine for (it did not answer) is answered 503: no guessing.
     assert picked == ([("big", "engine_big")] * gated + [("small", "engine_small")] * gated
-                      + [(None, {"status": 503})] * (one_message + gated) + [(None, "engine_big_ungated")])
+                      + [(None, {"status": 503})] * one_message + [(None, "engine_big_ungated")] * passed
+                      + [(None, {"status": 503})] * gated + [(None, "engine_big_ungated")])
     for route in routes[:2 * gated]:  # the service's metadata, written where only ext_proc may write
         (matcher,) = route["match"]["dynamic_metadata"]
         assert (matcher["filter"], matcher["path"]) == ("llm_admission", [{"key": "engine"}])
-        assert "headers" not in route["match"]
+        assert route["match"].get("headers", [{"name": ":method"}])[0]["name"] == ":method"
     _validate(yaml.safe_dump(doc), tmp_path)
 
 
@@ -210,6 +212,43 @@ def test_gated_paths_and_escaped_separators_route_to_the_bounded_cluster() -> No
     assert re.fullmatch(regex, "/v1/chat%2Fcompletions") and re.fullmatch(regex, "/v1%5cchat")
     assert not re.fullmatch(regex, "/v1/models")
     assert routes[-1] == {"match": {"prefix": "/"}, "route": {"cluster": "engine_default_ungated", "timeout": "0s"}}
+
+
+def _cluster_for(routes: list[dict], method: str, path: str, engine: str | None = None) -> object:
+    """The cluster (or direct response) Envoy's first matching route picks, as far as these matchers go."""
+    for r in routes:
+        m = r["match"]
+        if "path" in m and m["path"] != path or "prefix" in m and not path.startswith(m["prefix"]):
+            continue
+        if "safe_regex" in m and not re.fullmatch(m["safe_regex"]["regex"], path):
+            continue
+        if any(h["name"] == ":method" and h["string_match"]["exact"] != method for h in m.get("headers", [])):
+            continue
+        if any(h["name"] == "content-length" for h in m.get("headers", [])):
+            continue  # a chunked request: no declared length
+        if "dynamic_metadata" in m and m["dynamic_metadata"][0]["value"]["string_match"]["exact"] != engine:
+            continue
+        return r["route"]["cluster"] if "route" in r else r["direct_response"]
+    raise AssertionError(f"no route for {method} {path}")
+
+
+def test_a_post_off_the_pass_list_takes_the_bounded_cluster_even_without_the_service(tmp_path: Path) -> None:
+    # What the route table does with the service down and Envoy failing open: an engine route vLLM
+    # added (or an admin POST) is never sent unbounded to the ungated cluster.
+    routes = _hcm(build_envoy_config(load_settings(LOCAL_ENV)))["route_config"]["virtual_hosts"][0]["routes"]
+    assert _cluster_for(routes, "POST", "/v9/new-thing") == "engine_default"
+    assert _cluster_for(routes, "POST", "/v1/chat/completions/batch") == "engine_default"
+    assert _cluster_for(routes, "POST", "/tokenize") == "engine_default_ungated"
+    assert _cluster_for(routes, "POST", "/v1/responses/r1/cancel") == "engine_default_ungated"
+    assert _cluster_for(routes, "GET", "/v9/new-thing") == "engine_default_ungated"
+    path = tmp_path / "engines.yaml"
+    path.write_text("engines:\n  - {name: a, url: 'http://127.0.0.1:8000', models: [m]}\n"
+                    "  - {name: b, url: 'http://127.0.0.1:8001', models: [n]}\n")
+    several = _hcm(build_envoy_config(load_settings({"EXTPROC_CONFIG": str(path)})))
+    routes = several["route_config"]["virtual_hosts"][0]["routes"]
+    assert _cluster_for(routes, "POST", "/v9/new-thing") == {"status": 503}  # no engine named: no guess
+    assert _cluster_for(routes, "POST", "/v9/new-thing", engine="b") == "engine_b"
+    assert _cluster_for(routes, "POST", "/tokenize") == "engine_a_ungated"
 
 
 def test_nothing_gated_means_no_bound_on_the_engine_cluster() -> None:

@@ -468,6 +468,8 @@ env:
   value: {{ $a.scrapeGraceSeconds | toString | quote }}
 - name: ADMISSION_GATED_PATHS
   value: {{ join "," $a.gatedPaths | quote }}
+- name: ADMISSION_PASS_PATHS
+  value: {{ join "," $a.passPaths | quote }}
 - name: ADMISSION_MODELS_REFRESH_SECONDS
   value: {{ $a.modelsRefreshSeconds | toString | quote }}
 - name: EXTPROC_MAX_STREAMS
