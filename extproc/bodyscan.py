@@ -86,11 +86,18 @@ class BodyFacts:
     prompt_token_ids: int = 0  # a completion prompt given as token ids: exact tokens, not text
     n: int | None = None  # sequences to generate (`n`), as the engine reads it
     best_of: int | None = None  # `best_of`, where the engine still honours it
+    prompts: int = 1  # a completion's `prompt` as a batch (a list of strings or of token-id lists): its length
 
     @property
     def sequences(self) -> int:
         """Sequences the engine allocates KV for: vLLM runs n > 1 as n requests sharing one prompt."""
         return max(1, self.n or 1, self.best_of or 1)
+
+    @property
+    def engine_requests(self) -> int:
+        """Requests the engine runs for this one: vLLM runs each prompt of a batch, and each of its
+        `sequences`, as an engine request of its own (each takes a slot of max-num-seqs)."""
+        return self.sequences * self.prompts
 
     @property
     def generation_limit(self) -> int | None:
@@ -123,6 +130,8 @@ def scan_body(body: bytes) -> BodyFacts:
     kept: dict[str, object] = {}
     prompt_bytes = 0
     messages = tools_bytes = token_ids = 0
+    batch_items = 0  # strings and token-id lists directly inside a `prompt` list
+    batch_ids = False  # a `prompt` list holding token ids directly (one prompt of ids)
     depth = 0
     key: str | None = None  # the top-level key whose value is being read
     inner_key: str | None = None  # the latest key seen below the top level
@@ -144,6 +153,8 @@ def scan_body(body: bytes) -> BodyFacts:
                     tools_bytes += 2  # the brackets; a tool's own JSON is summed below
                 elif depth == 2 and key == "messages" and event == "start_map":
                     messages += 1
+                elif depth == 2 and key == "prompt":
+                    batch_items += 1  # a list of token ids inside the prompt list: one prompt
                 if depth == 1 and key in _KEPT_KEYS:
                     if key == "model":
                         model = None
@@ -158,6 +169,11 @@ def scan_body(body: bytes) -> BodyFacts:
                 if depth == 1:
                     key = None
                 continue
+            if depth == 2 and key == "prompt":  # a batch: each string is a prompt; ids directly are one
+                if event == "string":
+                    batch_items += 1
+                elif event == "number":
+                    batch_ids = True
             if depth == 1:
                 if event == "map_key":
                     key = value
@@ -218,6 +234,7 @@ def scan_body(body: bytes) -> BodyFacts:
         prompt_token_ids=token_ids,
         n=_kept_int(kept, "n"),
         best_of=_kept_int(kept, "best_of"),
+        prompts=max(1, batch_items + batch_ids),
     )
 
 
