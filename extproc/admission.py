@@ -83,6 +83,7 @@ def gate_limits(settings: Settings, engine: EngineConfig) -> GateLimits:
         stale_after_polls=settings.stale_after_polls,
         local_accounting=settings.local_accounting,
         scrape_grace_seconds=settings.scrape_grace_seconds,
+        engine_done_after_seconds=settings.engine_done_after_seconds,
         kv_budget=settings.kv_budget,
         kv_capacity_override=engine.limits.kv_capacity_tokens,
         backfill=settings.backfill,
@@ -137,12 +138,14 @@ class Admission:
 
     # --- request side ---------------------------------------------------------------------
 
-    async def arrive(self, engine: str, model: str, tokens: int = 0, generation: int = 0) -> Decision:
+    async def arrive(self, engine: str, model: str, tokens: int = 0, generation: int = 0,
+                     requests: int = 1) -> Decision:
         """Register a gated request (`tokens` its KV estimate, `generation` the part of it that is its
-        generation limit); PARKED decisions are followed up through `wait`."""
+        generation limit, `requests` the engine requests it becomes); PARKED decisions are followed
+        up through `wait`."""
         now = self.now()
-        ticket = Ticket(model=model, arrived=now, tokens=tokens, generation=generation, owner=self._ledger.replica,
-                        lease_until=self._ledger.lease_until(now))
+        ticket = Ticket(model=model, arrived=now, tokens=tokens, generation=generation, requests=requests,
+                        owner=self._ledger.replica, lease_until=self._ledger.lease_until(now))
         entry = self._engines[engine]
         if self._closing:
             decision = Decision(ticket, Outcome.SHUTTING_DOWN, self._retry_after)
@@ -244,7 +247,12 @@ class Admission:
     async def observe(self, engine: str, snapshot: EngineSnapshot) -> None:
         was_stale = self.gate(engine).state is EngineState.STALE
         now = self.now()
+        done_before = self.gate(engine).engine_done()
         self._apply(engine, await self._ledger.transact(engine, lambda g: g.observe(snapshot, now)))
+        done = self.gate(engine).engine_done()
+        if done > done_before:
+            log.info("the engine finished requests whose streams are still open: their slots are free",
+                     extra={"engine": engine, "engine_requests": done})
         if was_stale and self.gate(engine).state is not EngineState.STALE:
             log.info("engine state is fresh again", extra={"engine": engine})
 
@@ -419,6 +427,7 @@ class Admission:
             (metrics.effective_load, lambda: _nan_if_none(gate().effective_load())),
             (metrics.stale, lambda: 1 if gate().state is EngineState.STALE else 0),
             (metrics.kv_reserved, lambda: sum(t.reserved for t in entry.open.values())),
+            (metrics.engine_done, lambda: gate().engine_done()),
             (metrics.kv_available, lambda: _nan_if_none(gate().available_tokens())),
             (metrics.throughput_bound, lambda: _nan_if_none(gate().throughput_bound())),
         ]

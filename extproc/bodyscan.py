@@ -100,11 +100,18 @@ class BodyFacts:
     dense_bytes: int = 0
     n: int | None = None  # sequences to generate (`n`), as the engine reads it
     best_of: int | None = None  # `best_of`, where the engine still honours it
+    prompts: int = 1  # a completion's `prompt` as a batch (a list of strings or of token-id lists): its length
 
     @property
     def sequences(self) -> int:
         """Sequences the engine allocates KV for: vLLM runs n > 1 as n requests sharing one prompt."""
         return max(1, self.n or 1, self.best_of or 1)
+
+    @property
+    def engine_requests(self) -> int:
+        """Requests the engine runs for this one: vLLM runs each prompt of a batch, and each of its
+        `sequences`, as an engine request of its own (each takes a slot of max-num-seqs)."""
+        return self.sequences * self.prompts
 
     @property
     def generation_limit(self) -> int | None:
@@ -141,6 +148,8 @@ def scan_body(body: bytes) -> BodyFacts:
     prompt_bytes = 0
     messages = tools_bytes = token_ids = dense_bytes = 0
     parts = -1  # text parts in the message content list being read (-1: not in one)
+    batch_items = 0  # strings and token-id lists directly inside a `prompt` list
+    batch_ids = False  # a `prompt` list holding token ids directly (one prompt of ids)
     depth = 0
     key: str | None = None  # the top-level key whose value is being read
     inner_key: str | None = None  # the latest key seen below the top level
@@ -164,6 +173,8 @@ def scan_body(body: bytes) -> BodyFacts:
                     messages += 1
                 elif depth == 3 and key == "messages" and event == "start_array" and inner_key == "content":
                     parts = 0  # a message's content as a list of parts
+                elif depth == 2 and key == "prompt":
+                    batch_items += 1  # a list of token ids inside the prompt list: one prompt
                 if depth == 1 and key in _KEPT_KEYS:
                     if key == "model":
                         model = None
@@ -185,6 +196,11 @@ def scan_body(body: bytes) -> BodyFacts:
                     dense_bytes += separators
                     parts = -1
                 continue
+            if depth == 2 and key == "prompt":  # a batch: each string is a prompt; ids directly are one
+                if event == "string":
+                    batch_items += 1
+                elif event == "number":
+                    batch_ids = True
             if depth == 1:
                 if event == "map_key":
                     key = value
@@ -254,6 +270,7 @@ def scan_body(body: bytes) -> BodyFacts:
         dense_bytes=dense_bytes,
         n=_kept_int(kept, "n"),
         best_of=_kept_int(kept, "best_of"),
+        prompts=max(1, batch_items + batch_ids),
     )
 
 

@@ -98,6 +98,7 @@ class Settings:
     stale_after_polls: int
     retry_after_seconds: int
     scrape_grace_seconds: float
+    engine_done_after_seconds: float
     local_accounting: bool
     kv_budget: bool
     backfill: bool
@@ -156,6 +157,7 @@ class Settings:
             "stale_after_polls": self.stale_after_polls,
             "retry_after_s": self.retry_after_seconds,
             "scrape_grace_s": self.scrape_grace_seconds,
+            "engine_done_after_s": self.engine_done_after_seconds,
             "local_accounting": self.local_accounting,
             "kv_budget": self.kv_budget and self.local_accounting,
             "backfill": self.backfill,
@@ -487,6 +489,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         stale_after_polls=_int(env, "ENGINE_STALE_AFTER_POLLS"),
         retry_after_seconds=_int(env, "ADMISSION_RETRY_AFTER_SECONDS"),
         scrape_grace_seconds=_float(env, "ADMISSION_SCRAPE_GRACE_SECONDS"),
+        engine_done_after_seconds=_float(env, "ADMISSION_ENGINE_DONE_AFTER_SECONDS"),
         local_accounting=_bool(env, "ADMISSION_LOCAL_ACCOUNTING"),
         kv_budget=_bool(env, "ADMISSION_KV_BUDGET"),
         backfill=_bool(env, "ADMISSION_BACKFILL"),

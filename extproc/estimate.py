@@ -35,6 +35,10 @@ KV tokens = sequences x (prompt tokens + generation allowance); the gate rounds 
   best_of > 1 (0.11-0.18) or ignores it (0.19 on, removed from SamplingParams); only V0 allocated
   best_of sequences. Counting max(n, best_of) reserves for a refused request until the engine
   answers 400, never too little.
+- Prompts: a completion whose `prompt` is a list of strings or of token-id lists is a batch; vLLM
+  runs each prompt as its own request (times n), each generating up to the limit. So the KV is
+  sequences x (all prompts + prompts x generation allowance), and the request takes
+  `engine_requests` = sequences x prompts slots at the gate (`extproc/gate.py`, "Engine requests").
 """
 
 from __future__ import annotations
@@ -61,15 +65,21 @@ class TemplateOverhead:
 
 @dataclass(frozen=True)
 class CostEstimate:
-    prompt_tokens: int  # one sequence's prompt
+    prompt_tokens: int  # one sequence's prompt (a batch: all its prompts together)
     generation_tokens: int  # one sequence's generation allowance
     sequences: int = 1
     source: str = "bytes"
+    prompts: int = 1  # a completion batch's prompts: each generates its own allowance
 
     @property
     def tokens(self) -> int:
         """The most KV the request can hold: every sequence's prompt and generation."""
-        return self.sequences * (self.prompt_tokens + self.generation_tokens)
+        return self.sequences * (self.prompt_tokens + self.prompts * self.generation_tokens)
+
+    @property
+    def engine_requests(self) -> int:
+        """Engine requests it becomes, each with a slot: sequences x prompts."""
+        return self.sequences * self.prompts
 
     @property
     def engine_prompt_tokens(self) -> int:
@@ -103,11 +113,11 @@ def estimate_from_bytes(facts: BodyFacts, bytes_per_token: float, safety_factor:
                         overhead: TemplateOverhead, source: str) -> CostEstimate:
     return CostEstimate(prompt_tokens=prompt_from_bytes(facts, bytes_per_token, safety_factor, overhead),
                         generation_tokens=generation_allowance(facts, default_max_tokens),
-                        sequences=facts.sequences, source=source)
+                        sequences=facts.sequences, source=source, prompts=facts.prompts)
 
 
 def estimate_counted(facts: BodyFacts, prompt_tokens: int, default_max_tokens: int, source: str) -> CostEstimate:
     """A prompt counted exactly (by a tokenizer or the engine), with the body's generation and n."""
     return CostEstimate(prompt_tokens=max(1, prompt_tokens),
                         generation_tokens=generation_allowance(facts, default_max_tokens),
-                        sequences=facts.sequences, source=source)
+                        sequences=facts.sequences, source=source, prompts=facts.prompts)

@@ -61,6 +61,36 @@ them ends (`tests/unit/test_gate_work_conservation.py`). The price: a request of
 finished before the engine ever showed it is taken as seen, which, where callers bypass the gate,
 can hide one of theirs until the next scrape.
 
+Engine requests: a ticket counts the engine requests it becomes (`Ticket.requests`: n, or
+best_of, times the prompts of a completion batch; vLLM runs each as a request of its own), in
+the load, in what the scrape explains (`others`), and against the limit, so `n: 16` takes 16
+slots. A request with more than the whole limit (max in-flight + engine queue slots) goes in
+ALONE: it waits in the FIFO until the gate's load is 0 and holds the engine to itself until it
+ends, so it never puts more than the limit in the engine beside other work; while callers that
+bypass the gate keep the engine busy it waits, up to its park cap. (vLLM serves it in waves of
+max-num-seqs; rejecting it would refuse what the engine can serve.)
+
+Engine done, stream open: the ext_proc stream ends when the HTTP stream does, so a client that
+reads slowly or never keeps its ticket open long after the engine finished generating. A scrape
+that began `engine_done_after` (`ADMISSION_ENGINE_DONE_AFTER_SECONDS`, at least the grace) after
+an admission must show that request if the engine still runs it, so
+
+    engine_done = max(0, engine requests of our open tickets admitted before that - (running + waiting))
+
+of them are surely finished (whatever `others` is: it is never negative), and hold no slot:
+`load = others + ours - engine_done`. Which ones the scrape does not say: the KV freed with them
+is that of the smallest reservations among those tickets (never more than the finished ones
+held), and it is taken out of both the reservations and what the scrape is taken to include. It
+is a function of the held scrape and the open tickets, recomputed as they change: when one of
+those tickets ends, `engine_done` drops with it (it may have been one of the finished ones), so a
+finish never frees a slot twice; if it was one the engine still ran, its slot stays taken until
+the next scrape (the cautious side). The bound: a slot outlives the engine's work by at most
+max(0, admission + engine_done_after - engine finish) + one poll interval + the scrape's own
+time, as long as the engine's gauges show a request within `engine_done_after` of its
+admission (vLLM: a few seconds in steady state, ~18 s at cold start; raise the setting where
+the gauge lags more). Requests of ours admitted later than that which the scrape shows can
+mask as many finished ones until they are old enough themselves.
+
 Engine queue slots (`engine_queue_slots`, only with the budget): a request released by the gate
 reaches the engine after a gateway round trip, and vLLM adds it at the start of its next step;
 by then the step that freed the slot has already begun without it, so the slot idles for one
@@ -206,6 +236,7 @@ class GateLimits:
     stale_after_polls: int
     local_accounting: bool
     scrape_grace_seconds: float
+    engine_done_after_seconds: float  # a scrape this long after an admission must show the request (module docstring)
     kv_budget: bool
     kv_capacity_override: int | None  # tokens, when the engine does not say
     backfill: bool
@@ -259,6 +290,7 @@ class Ticket:
     arrived: float
     tokens: int = 0  # estimated KV need (prompt + generation allowance), before block rounding
     generation: int = 0  # the generation allowance within `tokens` (its max_tokens or the default)
+    requests: int = 1  # engine requests it becomes: n (or best_of) x prompts in a batch; each takes a slot
     id: int = field(default_factory=lambda: next(_ids))
     state: TicketState = TicketState.NEW
     park_deadline: float | None = None
@@ -272,20 +304,22 @@ class Ticket:
     predicted_wait: float | None = None
 
     def to_state(self) -> dict[str, Any]:
-        return {"m": self.model, "a": self.arrived, "t": self.tokens, "g": self.generation, "i": self.id,
+        return {"m": self.model, "a": self.arrived, "t": self.tokens, "g": self.generation, "n": self.requests,
+                "i": self.id,
                 "s": self.state.value,
                 "d": self.park_deadline, "at": self.admitted_at, "c": self.counted, "r": self.reserved,
                 "b": self.backfilled, "o": self.owner, "l": self.lease_until, "pw": self.predicted_wait}
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> Ticket:
-        return cls(model=d["m"], arrived=d["a"], tokens=d["t"], generation=d.get("g", 0), id=d["i"],
+        return cls(model=d["m"], arrived=d["a"], tokens=d["t"], generation=d.get("g", 0), requests=d.get("n", 1),
+                   id=d["i"],
                    state=TicketState(d["s"]),
                    park_deadline=d["d"], admitted_at=d["at"], counted=d["c"], reserved=d["r"],
                    backfilled=d["b"], owner=d["o"], lease_until=d["l"], predicted_wait=d.get("pw"))
 
     def __repr__(self) -> str:
-        return f"<Ticket #{self.id} {self.model} {self.state} {self.tokens}t>"
+        return f"<Ticket #{self.id} {self.model} {self.state} {self.tokens}t x{self.requests}>"
 
 
 @dataclass(frozen=True)
@@ -304,6 +338,7 @@ class _Finished:
     finished_at: float
     reserved: int
     owner: str = ""
+    requests: int = 1
 
 
 @dataclass
@@ -312,23 +347,23 @@ class _Seen:
 
     snap: EngineSnapshot
     seen_before: float  # the scrape's start minus the grace
-    surely: int = 0
+    surely: int = 0  # engine requests (a ticket counts its `requests`)
     maybe: int = 0
     reserved: int = 0  # KV of those surely seen
 
-    def add_open(self, admitted_at: float | None, reserved: int, sign: int) -> None:
+    def add_open(self, admitted_at: float | None, reserved: int, requests: int, sign: int) -> None:
         """Count an open ticket in (sign 1) or out (-1)."""
         if admitted_at is None or admitted_at >= self.snap.scrape_started:
             return
         if admitted_at < self.seen_before:
-            self.surely += sign
+            self.surely += sign * requests
             self.reserved += sign * reserved
         else:
-            self.maybe += sign
+            self.maybe += sign * requests
 
-    def add_finished(self, admitted_at: float, reserved: int) -> None:
+    def add_finished(self, admitted_at: float, reserved: int, requests: int) -> None:
         if admitted_at < self.snap.scrape_started:
-            self.surely += 1
+            self.surely += requests
             self.reserved += reserved
 
 
@@ -345,6 +380,8 @@ class EngineGate:
         self._finished: list[_Finished] = []  # local tickets that finished after the last scrape began
         # Kept as tickets come and go, so a decision costs the same with 10 or 1,000 requests open:
         self._reserved = 0  # sum of the open tickets' reservations
+        self._requests = 0  # sum of the open tickets' engine requests
+        self._old_requests = 0  # of those, the tickets admitted before `_done_cut()` ("Engine done, stream open")
         self._seen: _Seen | None = None  # `_count_seen(snapshot)`, while that snapshot is held
         self._completions: deque[float] = deque(maxlen=RATE_WINDOW)
         self._others_before = 0  # `others` as the previous scrape left it, when the next one came
@@ -374,6 +411,11 @@ class EngineGate:
     @property
     def inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def inflight_requests(self) -> int:
+        """Engine requests of the open tickets (a ticket with n = 16 counts 16)."""
+        return self._requests
 
     def queued(self) -> tuple[Ticket, ...]:
         return tuple(self._queue)
@@ -440,14 +482,16 @@ class EngineGate:
     def _count_seen(self, snap: EngineSnapshot) -> _Seen:
         seen = _Seen(snap, snap.scrape_started - self.limits.scrape_grace_seconds)
         for t in self._inflight.values():
-            seen.add_open(t.admitted_at, t.reserved, 1)
+            seen.add_open(t.admitted_at, t.reserved, t.requests, 1)
         for f in self._finished:  # finished after the scrape began (older ones are dropped on observe)
-            seen.add_finished(f.admitted_at, f.reserved)
+            seen.add_finished(f.admitted_at, f.reserved, f.requests)
         return seen
 
     def _forget_counts(self) -> None:
         """The open or finished tickets changed wholesale: count them again."""
         self._reserved = sum(t.reserved for t in self._inflight.values())
+        self._requests = sum(t.requests for t in self._inflight.values())
+        self._old_requests = sum(t.requests for t in self._inflight.values() if self._is_old(t.admitted_at))
         self._seen = None
 
     def _others(self) -> int | None:
@@ -468,7 +512,41 @@ class EngineGate:
             return snap.running + snap.waiting
         others = self._others()
         assert others is not None
-        return others + len(self._inflight)
+        return others + self._requests - self.engine_done()
+
+    def _done_cut(self) -> float | None:
+        """Ours admitted before this the held scrape must show, unless the engine finished them."""
+        snap = self._snapshot
+        if snap is None or not self.limits.local_accounting:
+            return None
+        return snap.scrape_started - max(self.limits.engine_done_after_seconds, self.limits.scrape_grace_seconds)
+
+    def _is_old(self, admitted_at: float | None) -> bool:
+        cut = self._done_cut()
+        return cut is not None and admitted_at is not None and admitted_at < cut
+
+    def engine_done(self) -> int:
+        """Engine requests of our open tickets that the engine has finished, as the held scrape
+        proves (module docstring, "Engine done, stream open"): they hold no slot."""
+        snap = self._snapshot
+        if snap is None or self.state is not EngineState.FRESH or not self._old_requests:
+            return 0
+        return max(0, self._old_requests - snap.running - snap.waiting)
+
+    def _engine_done_tokens(self) -> int:
+        """The KV taken as freed with `engine_done`: the smallest reservations of the old tickets that
+        make up that many engine requests (whichever of them finished, never more than theirs)."""
+        credit = self.engine_done()
+        if not credit:
+            return 0
+        freed = 0
+        for t in sorted((t for t in self._inflight.values() if self._is_old(t.admitted_at)),
+                        key=lambda t: (t.reserved, t.id)):
+            if t.requests > credit:
+                break
+            credit -= t.requests
+            freed += t.reserved
+        return freed
 
     def available_tokens(self) -> int | None:
         """Free KV tokens for new admissions, or None when the budget does not apply."""
@@ -476,23 +554,33 @@ class EngineGate:
         snap = self._snapshot
         if not self._budgeting or capacity is None or snap is None or self.state is not EngineState.FRESH:
             return None
-        others = max(0.0, snap.kv_usage * capacity - self._ours_in_scrape(snap).reserved)
-        return math.floor(capacity - others - self.reserved_tokens)
+        done = self._engine_done_tokens()  # no longer held, by the engine or by the scrape's share of ours
+        others = max(0.0, snap.kv_usage * capacity - (self._ours_in_scrape(snap).reserved - done))
+        return math.floor(capacity - others - (self.reserved_tokens - done))
 
-    def _slot_open(self) -> bool:
-        """The reference gates: KV threshold and running + waiting."""
+    @property
+    def slot_limit(self) -> int:
+        """Engine requests (running + waiting) the gate lets the engine hold: max in-flight, plus the
+        engine queue slots with the budget."""
+        return self.limits.max_inflight + (self.limits.engine_queue_slots if self._budgeting else 0)
+
+    def _slot_open(self, ticket: Ticket | None = None) -> bool:
+        """The reference gates, KV threshold and running + waiting, for `ticket`'s engine requests
+        (one without a ticket). A ticket with more than the whole limit goes in alone: only while
+        the gate's load is 0 (module docstring, "Engine requests")."""
         if self.state is not EngineState.FRESH:
             return True
         snap = self._snapshot
         assert snap is not None
         load = self.effective_load()
         assert load is not None
-        limit = self.limits.max_inflight + (self.limits.engine_queue_slots if self._budgeting else 0)
-        return snap.kv_usage < self.limits.kv_threshold and load < limit
+        limit, requests = self.slot_limit, 1 if ticket is None else ticket.requests
+        room = load + requests <= limit or (requests > limit and load == 0)
+        return snap.kv_usage < self.limits.kv_threshold and room
 
     def fits(self, ticket: Ticket | None = None) -> bool:
         """Whether `ticket` (or a zero-cost request) would be admitted now, ignoring the queue."""
-        if not self._slot_open():
+        if not self._slot_open(ticket):
             return False
         available = self.available_tokens()
         return available is None or ticket is None or self.cost(ticket) <= available
@@ -558,17 +646,18 @@ class EngineGate:
         # The past: the open tickets' progress as if the engine had worked for them alone, in admission order.
         opened = self.admitted()
         overdue = 0  # tokens held by open tickets the model says have ended (taken to end now)
-        slots = self.limits.max_inflight + self.limits.engine_queue_slots - load
+        limit = self.limits.max_inflight + self.limits.engine_queue_slots
+        slots = limit - load
         t = min((tk.admitted_at for tk in opened if tk.admitted_at is not None), default=now)
         for i, tk in enumerate(opened):
             engine.jobs.append(_Job(float(max(0, tk.tokens - tk.generation)), self._expected_generation(tk),
-                                    tk.reserved))
+                                    tk.reserved, tk.requests))
             nxt = opened[i + 1].admitted_at if i + 1 < len(opened) else now
             until = min(now, nxt if nxt is not None else now)
             while t < until and engine.jobs:
                 t, ended = engine.run(t, until)
                 overdue += sum(j.reserved for j in ended)
-                slots += len(ended)
+                slots += sum(j.requests for j in ended)
             t = max(t, until)
         # The future: parked tickets join in FIFO order as soon as they fit (`fits`: KV and slots).
         free, t = available + overdue, now
@@ -577,18 +666,19 @@ class EngineGate:
         if extra is not None:
             queue.append(extra)
         for _ in range(4 * (len(queue) + len(engine.jobs)) + 8):  # each turn admits or ends a job
-            while queue and slots > 0 and self.cost(queue[0]) <= free:
+            while (queue and (slots >= queue[0].requests or (queue[0].requests > limit and slots >= limit))
+                   and self.cost(queue[0]) <= free):
                 tk = queue.popleft()
                 waits[tk.id] = t - now
                 free -= self.cost(tk)
-                slots -= 1
+                slots -= tk.requests
                 engine.jobs.append(_Job(float(max(0, tk.tokens - tk.generation)), self._expected_generation(tk),
-                                        self.cost(tk)))
+                                        self.cost(tk), tk.requests))
             if not queue or not engine.jobs:
                 break
             t, ended = engine.run(t, math.inf)
             free += sum(j.reserved for j in ended)
-            slots += len(ended)
+            slots += sum(j.requests for j in ended)
         return waits
 
     def _expected_generation(self, ticket: Ticket) -> float:
@@ -608,7 +698,7 @@ class EngineGate:
         """Seconds before which `ticket` surely cannot be admitted (module docstring, "Waits from
         work"), or None where there is no bound (no budget, no measurement yet, estimates off)."""
         ahead = self._work_ahead(now)
-        return None if ahead is None else ahead.seconds(self.cost(ticket))
+        return None if ahead is None else ahead.seconds(self.cost(ticket), ticket.requests)
 
     # --- events ---------------------------------------------------------------------------
 
@@ -658,6 +748,7 @@ class EngineGate:
         self._measure_throughput(self._snapshot, snapshot)
         self._snapshot = snapshot
         self._failed_polls = 0
+        self._old_requests = sum(t.requests for t in self._inflight.values() if self._is_old(t.admitted_at))
         self._finished = [f for f in self._finished if f.finished_at > snapshot.scrape_started]
         released = self._release(now)
         return released + self._reject_hopeless(now)
@@ -753,7 +844,7 @@ class EngineGate:
             return []
         rejected: list[Decision] = []
         for ticket in list(self._queue):
-            bound = ahead.seconds(self.cost(ticket))
+            bound = ahead.seconds(self.cost(ticket), ticket.requests)
             deadline = ticket.park_deadline
             if deadline is not None and now >= deadline:
                 continue  # its cap is over: the timer answers it (park_timeout), the bound proves nothing
@@ -774,7 +865,7 @@ class EngineGate:
             return None
         limit = self.limits.max_inflight + self.limits.engine_queue_slots
         return _WorkAhead.of(self._inflight.values(), rate, now, self.reserved_tokens - capacity,
-                             len(self._inflight) + 1 - limit)
+                             self._requests - self.engine_done() - limit, limit)
 
     def _learn_generation(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
         """Fold the requests the engine finished between two scrapes into the generation mean."""
@@ -808,9 +899,10 @@ class EngineGate:
             self._completions.append(now)
             assert ticket.admitted_at is not None
             if self.state is EngineState.FRESH:  # otherwise the next good scrape sees the truth
-                self._finished.append(_Finished(ticket.admitted_at, now, ticket.reserved, ticket.owner))
+                self._finished.append(_Finished(ticket.admitted_at, now, ticket.reserved, ticket.owner,
+                                                ticket.requests))
                 if self._seen is not None:
-                    self._seen.add_finished(ticket.admitted_at, ticket.reserved)
+                    self._seen.add_finished(ticket.admitted_at, ticket.reserved, ticket.requests)
         return self._release(now)
 
     def end(self, ticket_id: int, now: float) -> list[Decision]:
@@ -904,7 +996,7 @@ class EngineGate:
             "fp": self._failed_polls,
             "q": [t.to_state() for t in self._queue],
             "in": [t.to_state() for _, t in sorted(self._inflight.items())],
-            "fin": [[f.admitted_at, f.finished_at, f.reserved, f.owner] for f in self._finished],
+            "fin": [[f.admitted_at, f.finished_at, f.reserved, f.owner, f.requests] for f in self._finished],
             "done": list(self._completions),
             "ob": self._others_before,
             "gm": self._generation_mean,
@@ -946,16 +1038,22 @@ class EngineGate:
             ticket.reserved = self.cost(ticket) if self._budgeting else 0
             self._inflight[ticket.id] = ticket
             self._reserved += ticket.reserved
+            self._requests += ticket.requests
+            if self._is_old(now):
+                self._old_requests += ticket.requests
             if self._seen is not None:
-                self._seen.add_open(now, ticket.reserved, 1)
+                self._seen.add_open(now, ticket.reserved, ticket.requests, 1)
         return Decision(ticket, outcome)
 
     def _drop_open(self, ticket: Ticket) -> None:
         """`ticket` is no longer open (finished, or its lease ran out)."""
         del self._inflight[ticket.id]
         self._reserved -= ticket.reserved
+        self._requests -= ticket.requests
+        if self._is_old(ticket.admitted_at):
+            self._old_requests -= ticket.requests
         if self._seen is not None:
-            self._seen.add_open(ticket.admitted_at, ticket.reserved, -1)
+            self._seen.add_open(ticket.admitted_at, ticket.reserved, ticket.requests, -1)
 
     def _may_backfill(self, ticket: Ticket, now: float) -> bool:
         """Whether `ticket` may pass the queue head without delaying it (see module docstring)."""
@@ -963,8 +1061,10 @@ class EngineGate:
             return False
         head = self._queue[0]
         available = self.available_tokens()
-        if available is None or not self._slot_open() or self.cost(head) <= available:
+        if available is None or not self._slot_open(head) or self.cost(head) <= available:
             return False  # the head is not blocked by KV alone: plain FIFO
+        if not self._slot_open(ticket):
+            return False
         if now - head.arrived >= BACKFILL_PATIENCE * self.limits.max_park_seconds:
             return False
         cost = self.cost(ticket)
@@ -1005,7 +1105,9 @@ class _WorkAhead:
 
     rate: float  # tokens per second, an upper bound on the engine's throughput
     excess: int  # reserved - capacity: a request of cost c needs excess + c tokens released
-    ends: int  # open requests that must end first for a slot (<= 0: none)
+    over: int  # open engine requests - slot limit: a request of r engine requests needs over + r of them to end
+    limit: int  # the slot limit (a request above it needs every open one to end)
+    held: tuple[int, ...]  # prefix sums of the open tickets' engine requests, most first
     done: float  # the most prompt work the engine can have done on all of them
     capped: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]  # knapsack prefix sums
     full: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
@@ -1013,31 +1115,45 @@ class _WorkAhead:
     full_smallest: tuple[float, ...]
 
     @classmethod
-    def of(cls, tickets: Iterable[Ticket], rate: float, now: float, excess: int, ends: int) -> _WorkAhead:
+    def of(cls, tickets: Iterable[Ticket], rate: float, now: float, excess: int, over: int,
+           limit: int) -> _WorkAhead:
         full: list[tuple[float, int]] = []
         capped: list[tuple[float, int]] = []
+        requests: list[int] = []
         oldest = now
         for t in tickets:
+            requests.append(t.requests)
             prompt = float(max(0, t.tokens - t.generation))
             admitted = t.admitted_at if t.admitted_at is not None else now
             oldest = min(oldest, admitted)
             full.append((prompt, t.reserved))
             capped.append((max(0.0, prompt - rate * max(0.0, now - admitted)), t.reserved))
-        return cls(rate, excess, ends, rate * max(0.0, now - oldest), _knapsack(capped), _knapsack(full),
-                   _prefix(sorted(w for w, _ in capped)), _prefix(sorted(w for w, _ in full)))
+        held = tuple(int(x) for x in _prefix([float(r) for r in sorted(requests, reverse=True)]))
+        return cls(rate, excess, over, limit, held, rate * max(0.0, now - oldest), _knapsack(capped),
+                   _knapsack(full), _prefix(sorted(w for w, _ in capped)), _prefix(sorted(w for w, _ in full)))
 
-    def work(self, cost: int) -> float:
+    def ends(self, requests: int) -> int:
+        """The fewest open tickets that must end before `requests` engine requests get their slots."""
+        if requests > self.limit:
+            return len(self.held) - 1  # it goes in alone
+        need = self.over + requests
+        if need <= 0:
+            return 0
+        return min(bisect.bisect_left(self.held, need), len(self.held) - 1)
+
+    def work(self, cost: int, requests: int = 1) -> float:
         need = self.excess + cost
         work = 0.0
         if need > 0:
             work = max(_cheapest(self.capped, need), _cheapest(self.full, need) - self.done)
-        if self.ends > 0:
-            k = min(self.ends, len(self.capped_smallest) - 1)
+        k = self.ends(requests)
+        if k > 0:
+            k = min(k, len(self.capped_smallest) - 1)
             work = max(work, self.capped_smallest[k], self.full_smallest[k] - self.done)
         return max(0.0, work)
 
-    def seconds(self, cost: int) -> float:
-        return self.work(cost) / self.rate
+    def seconds(self, cost: int, requests: int = 1) -> float:
+        return self.work(cost, requests) / self.rate
 
 
 def _prefix(values: list[float]) -> tuple[float, ...]:
@@ -1076,6 +1192,7 @@ class _Job:
     prompt: float
     generation: float
     reserved: int
+    requests: int = 1
 
 
 @dataclass
@@ -1093,7 +1210,13 @@ class _FluidEngine:
     def run(self, t: float, until: float) -> tuple[float, list[_Job]]:
         """Run from `t` to the next end of a job or `until`, whichever is first: the time reached and
         the jobs that ended."""
-        running = self.jobs[:self.seqs]
+        running: list[_Job] = []
+        seqs = 0
+        for j in self.jobs:  # the first jobs whose sequences fit max-num-seqs (at least one)
+            if running and seqs + j.requests > self.seqs:
+                break
+            running.append(j)
+            seqs += j.requests
         prefilling = next((j for j in running if j.prompt > 0), None)
         speed = self.mixed if prefilling is not None else self.alone
         decoding = [j for j in running if j.prompt <= 0] if speed > 0 else []  # 0: no generation moves

@@ -133,6 +133,11 @@ class Metrics:
             "admission_kv_available_tokens",
             "KV tokens the budget would still admit (NaN when the budget does not apply).",
             ["engine"], registry=r)
+        self.engine_done = Gauge(
+            "admission_engine_done_requests",
+            "Engine requests of admitted requests whose HTTP stream is still open but which the last scrape shows "
+            "the engine has finished (clients that read slowly or never): they hold no slot or KV at the gate.",
+            ["engine"], registry=r)
         self.queue_depth = Gauge("admission_queue_depth", "Requests parked now.", ["engine"], registry=r)
         self.inflight = Gauge(
             "admission_inflight", "Requests this replica admitted whose HTTP stream is still open.",

@@ -253,7 +253,8 @@ class Conversation:
         s.cost = cost = await shared.estimator.estimate(engine, routed.endpoint, body.body, facts,
                                                         snap.prompt_tokens_total if snap else None,
                                                         snap.scrape_started if snap else None)
-        decision = await shared.admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens)
+        decision = await shared.admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens,
+                                                 facts.engine_requests)
         s.ticket = decision.ticket
         return decision
 

@@ -194,7 +194,9 @@ budget_ops = st.lists(
 def test_budget_never_reserves_more_than_capacity_under_any_interleaving(ops: list, backfill: bool) -> None:
     gate = EngineGate(limits(max_inflight=16, kv_threshold=1.0, max_queue_depth=6, max_park_seconds=60.0,
                              stale_after_polls=2, kv_budget=True, engine_queue_slots=0, backfill=backfill,
-                             scrape_grace_seconds=0.5))
+                             scrape_grace_seconds=0.5,
+                             # its scrapes show KV, not which of ours the engine still runs:
+                             engine_done_after_seconds=1e9))
     now = 0.0
     tickets: list[Ticket] = []
     for op, arg in ops:

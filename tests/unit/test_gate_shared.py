@@ -23,8 +23,8 @@ def _snap(now: float, running: int = 0, kv: float = 0.0) -> EngineSnapshot:
     return EngineSnapshot(running, 0, kv, now, CAPACITY, 16)
 
 
-def _ticket(now: float, owner: str = "a", tokens: int = 100, lease: float | None = None) -> Ticket:
-    return Ticket(model="m", arrived=now, tokens=tokens, owner=owner, lease_until=lease)
+def _ticket(now: float, owner: str = "a", tokens: int = 100, lease: float | None = None, requests: int = 1) -> Ticket:
+    return Ticket(model="m", arrived=now, tokens=tokens, owner=owner, lease_until=lease, requests=requests)
 
 
 EVENT = st.one_of(
@@ -46,7 +46,7 @@ def test_a_gate_rebuilt_from_its_serialised_state_decides_exactly_like_the_origi
         rebuilt = EngineGate.from_state(LIMITS, json.loads(state))
         pair = (kept, rebuilt)
         if kind == "arrive":
-            ticket = _ticket(now, tokens=arg)
+            ticket = _ticket(now, tokens=arg, requests=1 + arg % 3)  # n > 1 too
             out = [[g.arrive(replace(ticket), now)] for g in pair]
         elif kind == "finish":
             live = [t.id for t in (*kept.admitted(), *kept.queued())]

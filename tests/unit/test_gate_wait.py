@@ -32,8 +32,10 @@ from .limits import limits
 CAPACITY = 152_432  # the reference engine: 9527 blocks x 16 tokens
 BIG = (65_536, 256)  # (prompt, max_tokens)
 SMALL = (8_192, 128)
+# The scrapes here say how busy the engine is, not which of our requests it holds: no scrape is
+# taken to prove one of ours finished (`engine_done_after_seconds`, tested in test_gate.py).
 LIMITS = limits(max_inflight=4, engine_queue_slots=1, max_queue_depth=8, max_park_seconds=120.0,
-                wait_prediction="bound")
+                wait_prediction="bound", engine_done_after_seconds=1e9)
 
 
 def snap(at: float, kv: float, running: int = 1, finished: int = 0, capacity: int = CAPACITY) -> EngineSnapshot:
@@ -347,7 +349,8 @@ def test_no_request_is_admitted_sooner_than_its_bound(arrivals: list, rate: floa
 def _measured_admission(cap: float, prediction: str = "bound") -> tuple[Admission, CollectorRegistry, list[float], str]:
     now = [0.0]
     settings = load_settings({"ADMISSION_OBSERVE_MODELS": "m", "ADMISSION_MAX_PARK_SECONDS": f"{cap:g}",
-                              "ADMISSION_WAIT_PREDICTION": prediction})
+                              "ADMISSION_WAIT_PREDICTION": prediction,
+                              "ADMISSION_ENGINE_DONE_AFTER_SECONDS": "3600"})  # as LIMITS above
     registry = CollectorRegistry()
     return Admission(settings, Metrics(registry), clock=lambda: now[0]), registry, now, settings.engines[0].name
 

@@ -466,6 +466,8 @@ env:
 {{- end }}
 - name: ADMISSION_SCRAPE_GRACE_SECONDS
   value: {{ $a.scrapeGraceSeconds | toString | quote }}
+- name: ADMISSION_ENGINE_DONE_AFTER_SECONDS
+  value: {{ $a.engineDoneAfterSeconds | toString | quote }}
 - name: ADMISSION_GATED_PATHS
   value: {{ join "," $a.gatedPaths | quote }}
 - name: ADMISSION_PASS_PATHS
