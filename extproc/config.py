@@ -314,13 +314,19 @@ def _choice(env: Mapping[str, str], name: str) -> str:
 DEFAULT_MAX_PARK_SECONDS = _float({}, "ADMISSION_MAX_PARK_SECONDS")
 
 
+#: Where `:PORT` (no host) listens: loopback. Every interface only when asked for by name
+#: (`0.0.0.0:PORT`, `[::]:PORT`): the gRPC port has no authentication unless mTLS is on, and any
+#: process that reaches it can open ext_proc streams and hold the engine's slots.
+UNNAMED_LISTEN_HOST = "127.0.0.1"
+
+
 def _listen(name: str, raw: str) -> tuple[str, int]:
     host, sep, port = raw.rpartition(":")
     if not sep:
         raise ConfigError(f"{name}={raw!r}: must be HOST:PORT")
     if not (port.strip().isdigit() and int(port) <= 65535):
         raise ConfigError(f"{name}={raw!r}: the port must be an integer from 0 to 65535")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip().strip("[]") or UNNAMED_LISTEN_HOST, int(port)
 
 
 def _csv(raw: str | None) -> tuple[str, ...]:
