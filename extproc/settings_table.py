@@ -211,6 +211,13 @@ SETTINGS: tuple[Setting, ...] = (
             "127.0.0.1:9003", chart="admission.debugPort", kind="listen"),
     Setting("EXTPROC_PROBE_LISTEN", "optional second listener: /metrics /healthz /readyz only; "
             ":PORT = 127.0.0.1:PORT", chart="admission.adminPort", kind="listen"),
+    # mTLS on the gRPC port, for a service reached over the network (the chart's shared shape).
+    Setting("EXTPROC_TLS_CERT", "PEM certificate (chain) the gRPC port serves; with EXTPROC_TLS_KEY and "
+            "EXTPROC_TLS_CLIENT_CA (all three or none): mTLS, every client must present a certificate",
+            chart="extproc.tls.secretName", kind="file"),
+    Setting("EXTPROC_TLS_KEY", "PEM private key of EXTPROC_TLS_CERT", chart="extproc.tls.secretName", kind="file"),
+    Setting("EXTPROC_TLS_CLIENT_CA", "PEM CA bundle a client's certificate must chain to (Envoy's); "
+            "`extproc envoy-config` also verifies the service with it", chart="extproc.tls.secretName", kind="file"),
     Setting("EXTPROC_MAX_STREAMS", "concurrent ext_proc streams (parked + in flight)", "10000",
             chart="admission.maxStreams", kind="int", bounds=Bounds(16)),
     Setting("EXTPROC_LOG_LEVEL", "log level; DEBUG adds a line per admitted request with its prompt estimate "
