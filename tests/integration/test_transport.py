@@ -172,3 +172,14 @@ def test_a_listen_address_without_a_host_binds_loopback_only(
     assert _listening(admin_port) and _listening(admin_port) <= loopback
     serving = [json.loads(line) for line in child.log_tail(200).splitlines() if '"msg": "serving"' in line]
     assert serving and serving[0]["grpc"] == f"127.0.0.1:{grpc_port}" and serving[0]["grpc_tls"] == "plaintext"
+
+
+def test_an_envoy_whose_certificate_the_service_refuses_is_answered_by_its_failure_mode(
+        make_stack: Callable[..., Stack], pki: dict[str, Pair]) -> None:
+    rogue = ExtprocTls(str(pki["rogue"].cert), str(pki["rogue"].key), str(pki["ca"].cert))
+    stack = make_stack(_tls_env(pki), envoy_args={"extproc_tls": rogue})
+    reply = post(f"{stack.url}/v1/chat/completions", chat_body("refused", max_tokens=2), {"x-request-id": "rogue-1"})
+    # As with a service that is down: fail-open forwards it ungated (within the engine's breaker).
+    assert reply.status == 200 and stack.arrivals() == ["rogue-1"]
+    assert stack.metric("admission_admitted_total") == 0
+    assert stack.envoy_stat(r"^http\.inference\.ext_proc\.failure_mode_allowed$") >= 1
