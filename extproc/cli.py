@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from . import __version__
 from .config import ConfigError, Settings, load_settings
-from .envoyconf import DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, DEFAULT_TTFT_ALLOWANCE_SECONDS
+from .envoyconf import DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, DEFAULT_TTFT_ALLOWANCE_SECONDS, ExtprocTls
 from .logs import configure
 from .settings_table import environment_help
 
@@ -62,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     envoy.add_argument("--max-downstream-connections", type=int, default=None,
                        help="Envoy's global downstream connection cap (default: sized from --memory-limit "
                             "and MAX_BODY_BYTES)")
+    tls = envoy.add_argument_group(
+        "mTLS to the service", "Envoy's client certificate, key and the CA it verifies the service with (all three "
+        "or none), as paths in Envoy's container. Default: the service's own EXTPROC_TLS_CERT, EXTPROC_TLS_KEY "
+        "and EXTPROC_TLS_CLIENT_CA when they are set (one certificate for both sides), else plaintext.")
+    tls.add_argument("--extproc-tls-cert", default=None, metavar="PATH", help="PEM certificate Envoy presents")
+    tls.add_argument("--extproc-tls-key", default=None, metavar="PATH", help="its private key")
+    tls.add_argument("--extproc-tls-ca", default=None, metavar="PATH",
+                     help="PEM CA bundle the service's certificate must chain to")
+    tls.add_argument("--extproc-tls-server-name", default=None, metavar="NAME",
+                     help="the name (DNS or IP) the service's certificate must carry (default: the --extproc host)")
     envoy.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
 
     sub.add_parser("check-config", help="validate the configuration, print it as JSON, exit 0 or 2",
@@ -114,6 +124,19 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     return _serve(settings, getattr(args, "grace", 10.0))
 
 
+def _extproc_tls(args: argparse.Namespace) -> ExtprocTls | None:
+    """The mTLS flags as an ExtprocTls, or None when none is given (the service's own settings apply)."""
+    files = {"--extproc-tls-cert": args.extproc_tls_cert, "--extproc-tls-key": args.extproc_tls_key,
+             "--extproc-tls-ca": args.extproc_tls_ca}
+    if not any(files.values()) and args.extproc_tls_server_name is None:
+        return None
+    missing = [flag for flag, value in files.items() if not value]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: mTLS to the service needs --extproc-tls-cert, --extproc-tls-key "
+                          "and --extproc-tls-ca together")
+    return ExtprocTls(args.extproc_tls_cert, args.extproc_tls_key, args.extproc_tls_ca, args.extproc_tls_server_name)
+
+
 def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
     from .envoyconf import memory_bytes, render_envoy_config
 
@@ -128,7 +151,7 @@ def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
             extproc_host=extproc[0], extproc_port=extproc[1], failure_mode=args.failure_mode,
             stream_idle_timeout=args.stream_idle_timeout, first_token_allowance=args.first_token_allowance,
             health_host=health[0], health_port=health[1], memory_limit_bytes=memory,
-            downstream_connections=args.max_downstream_connections,
+            downstream_connections=args.max_downstream_connections, extproc_tls=_extproc_tls(args),
         )
     except (ConfigError, ValueError) as exc:
         print(f"extproc: {exc}", file=sys.stderr)

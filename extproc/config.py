@@ -23,6 +23,7 @@ import dataclasses
 import math
 import os
 import re
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -66,6 +67,15 @@ class EstimateSettings:
 
 
 BUILTIN_TOKENIZERS = ("qwen3", "qwen2.5", "llama3")  # extproc/tokenizer.py's vocabularies
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """mTLS on the gRPC port: the service's certificate and key, and the CA its clients' must chain to."""
+
+    cert: str
+    key: str
+    client_ca: str
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,7 @@ class Settings:
     generation_factor: float  # with learned: this x the engine's mean generation
     estimate: EstimateSettings
     wait_prediction: str  # with wait_estimates: bound (a lower bound) or expected (extproc/gate.py)
+    tls: TlsFiles | None = None  # mTLS on the gRPC port (None: plaintext)
     model_to_engine: Mapping[str, EngineConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +161,7 @@ class Settings:
         """The effective configuration, for the startup log line and `extproc check-config`."""
         return {
             "grpc_listen": f"{self.grpc_host}:{self.grpc_port}",
+            "grpc_tls": dataclasses.asdict(self.tls) if self.tls is not None else None,
             "admin_listen": f"{self.admin_host}:{self.admin_port}",
             "probe_listen": f"{self.probe_host}:{self.probe_port}" if self.probe_host is not None else None,
             "max_body_bytes": self.max_body_bytes,
@@ -318,13 +330,19 @@ def _choice(env: Mapping[str, str], name: str) -> str:
 DEFAULT_MAX_PARK_SECONDS = _float({}, "ADMISSION_MAX_PARK_SECONDS")
 
 
+#: Where `:PORT` (no host) listens: loopback. Every interface only when asked for by name
+#: (`0.0.0.0:PORT`, `[::]:PORT`): the gRPC port has no authentication unless mTLS is on, and any
+#: process that reaches it can open ext_proc streams and hold the engine's slots.
+UNNAMED_LISTEN_HOST = "127.0.0.1"
+
+
 def _listen(name: str, raw: str) -> tuple[str, int]:
     host, sep, port = raw.rpartition(":")
     if not sep:
         raise ConfigError(f"{name}={raw!r}: must be HOST:PORT")
     if not (port.strip().isdigit() and int(port) <= 65535):
         raise ConfigError(f"{name}={raw!r}: the port must be an integer from 0 to 65535")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip().strip("[]") or UNNAMED_LISTEN_HOST, int(port)
 
 
 def _csv(raw: str | None) -> tuple[str, ...]:
@@ -463,6 +481,7 @@ def load_settings(env: Mapping[str, str]) -> Settings:
             raise ConfigError(f"{where}: '*' must be a whole segment")
         if any(re.fullmatch(path_pattern(path), gated_path) for gated_path in gated):
             raise ConfigError(f"{where} is also a gated path (ADMISSION_GATED_PATHS): a path is gated or passed")
+    tls = _tls_files(env)
     ledger = _choice(env, "ADMISSION_LEDGER")
     redis_url = (_redis_url("ADMISSION_REDIS_URL", env["ADMISSION_REDIS_URL"]) if env.get("ADMISSION_REDIS_URL")
                  else None)
@@ -516,7 +535,42 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         generation_reservation=_choice(env, "ADMISSION_GENERATION_RESERVATION"),
         generation_factor=_float(env, "ADMISSION_GENERATION_FACTOR"),
         wait_prediction=_choice(env, "ADMISSION_WAIT_PREDICTION"),
+        tls=tls,
     )
+
+
+_TLS = ("EXTPROC_TLS_CERT", "EXTPROC_TLS_KEY", "EXTPROC_TLS_CLIENT_CA")
+
+
+def _tls_files(env: Mapping[str, str]) -> TlsFiles | None:
+    """The gRPC port's mTLS files, all three or none, each readable and what it says it is (the
+    certificate matches the key, the CA bundle parses): a bad one fails at startup, naming it,
+    instead of failing every Envoy's handshake later."""
+    given = {name: env[name] for name in _TLS if env.get(name)}
+    if not given:
+        return None
+    if len(given) < len(_TLS):
+        missing = [name for name in _TLS if name not in given]
+        raise ConfigError(f"{', '.join(missing)} unset while {', '.join(given)} set: mTLS on the gRPC port needs "
+                          "all three of EXTPROC_TLS_CERT, EXTPROC_TLS_KEY and EXTPROC_TLS_CLIENT_CA (or none)")
+    for name, path in given.items():
+        try:
+            with open(path, "rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            raise ConfigError(f"{name}={path!r}: cannot read: {exc.strerror}") from None
+    cert, key, ca = (given[name] for name in _TLS)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"EXTPROC_TLS_CERT={cert!r}, EXTPROC_TLS_KEY={key!r}: not a PEM certificate and its "
+                          f"private key ({exc.reason or exc})") from None
+    try:
+        context.load_verify_locations(cafile=ca)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"EXTPROC_TLS_CLIENT_CA={ca!r}: not a PEM CA bundle ({exc.reason or exc})") from None
+    return TlsFiles(cert, key, ca)
 
 
 def _estimate_settings(env: Mapping[str, str]) -> EstimateSettings:

@@ -56,6 +56,13 @@ early header mutation, before routing): a client can neither pose as the service
 hand the engine an `x-admission-engine` of its own, on gated paths, ungated paths, or while the
 service is down; and no client can set dynamic metadata.
 
+With mTLS on the service's gRPC port (`EXTPROC_TLS_*`, or `extproc_tls`), the `extproc` cluster
+gets a TLS transport socket: Envoy presents its client certificate, offers ALPN h2, and accepts
+the service only with a certificate that chains to the CA and names the host Envoy dialled (its
+DNS name, or IP address) as a subject alternative name. Without `extproc_tls` and with the
+service's own TLS settings, Envoy presents the service's certificate and verifies with the
+service's client CA: one Secret for both sides, as the chart mounts it.
+
 `failure_mode_allow` is the explicit choice for "the admission service is down": `open` (default)
 forwards requests ungated, so an admission outage never becomes an inference outage; `closed`
 answers 503 (`status_on_error`) instead.
@@ -144,6 +151,40 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class ExtprocTls:
+    """Envoy's side of mTLS to the service: the certificate and key it presents, the CA it verifies
+    the service's certificate with, and the name that certificate must carry (None: the host
+    Envoy dials). File paths as Envoy's container sees them."""
+
+    cert: str
+    key: str
+    ca: str
+    server_name: str | None = None
+
+
+def _extproc_transport_socket(tls: ExtprocTls, host: str) -> dict[str, Any]:
+    """The extproc cluster's UpstreamTlsContext: client certificate, ALPN h2 (gRPC), and the
+    service's certificate checked against the CA and its subject alternative name."""
+    name = tls.server_name or host
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {
+            "alpn_protocols": ["h2"],
+            "tls_certificates": [{"certificate_chain": {"filename": tls.cert},
+                                  "private_key": {"filename": tls.key}}],
+            "validation_context": {
+                "trusted_ca": {"filename": tls.ca},
+                "match_typed_subject_alt_names": [
+                    {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}}],
+            },
+        },
+    }
+    if not _is_ip(name):
+        context["sni"] = name
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
 def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int, connect_timeout: str,
@@ -452,6 +493,7 @@ def build_envoy_config(
     health_host: str = "0.0.0.0",
     health_port: int | None = None,
     ext_proc: bool = True,
+    extproc_tls: ExtprocTls | None = None,
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict, checked against Envoy's API types; `render_envoy_config`
     turns it into YAML.
@@ -472,6 +514,9 @@ def build_envoy_config(
     None (the default here): no overload manager, for an Envoy without a memory limit (the local
     stack of devstack/, benchmarks holding thousands of connections on purpose).
     `render_envoy_config`, the config file for a deployment, defaults to the chart's 512 MiB.
+
+    `extproc_tls`: mTLS to the service (`ExtprocTls`). None: the service's own certificate, key and
+    client CA when it serves mTLS (`settings.tls`), else plaintext.
 
     `bound_engines=False` leaves out the engine clusters' bound (and the ungated cluster): only
     for reproducing the reference gate, which had none (`bench.admission --mode reference`).
@@ -561,9 +606,14 @@ def build_envoy_config(
         "http_filters": [*filters, _ROUTER],
     }
     clusters = []
+    if extproc_tls is None and settings.tls is not None:
+        extproc_tls = ExtprocTls(settings.tls.cert, settings.tls.key, settings.tls.client_ca)
     if ext_proc:
-        clusters.append(_cluster("extproc", extproc_host, extproc_port, http2=True, max_requests=settings.max_streams,
-                                 connect_timeout="1s"))
+        extproc_cluster = _cluster("extproc", extproc_host, extproc_port, http2=True,
+                                   max_requests=settings.max_streams, connect_timeout="1s")
+        if extproc_tls is not None:
+            extproc_cluster["transport_socket"] = _extproc_transport_socket(extproc_tls, extproc_host)
+        clusters.append(extproc_cluster)
     for e in engines:
         bound = engine_bound(settings, e) if bound_engines else settings.max_streams
         clusters.append(_cluster(e.cluster, e.upstream_host, e.upstream_port, http2=False, max_requests=bound,
@@ -625,6 +675,7 @@ _TYPED_CONFIG_MODULES = (
     "envoy.extensions.resource_monitors.fixed_heap.v3",
     "envoy.extensions.resource_monitors.downstream_connections.v3",
     "envoy.extensions.upstreams.http.v3",
+    "envoy.extensions.transport_sockets.tls.v3",
 )
 
 

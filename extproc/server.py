@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from .adminhttp import make_app
 from .admission import Admission, gate_limits
-from .config import Settings
+from .config import Settings, TlsFiles
 from .ledger import Ledger, LedgerMetrics, RedisLedger
 from .metrics import Metrics
 from .models import ModelRegistry
@@ -76,8 +76,12 @@ class Service:
         self._servicer = ExternalProcessor(s, self.admission, self.metrics, self.models)
         pb_grpc.add_ExternalProcessorServicer_to_server(self._servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        address = f"{_bracket(s.grpc_host)}:{s.grpc_port}"
         try:
-            self.grpc_port = self._grpc.add_insecure_port(f"{_bracket(s.grpc_host)}:{s.grpc_port}")
+            if s.tls is None:
+                self.grpc_port = self._grpc.add_insecure_port(address)
+            else:
+                self.grpc_port = self._grpc.add_secure_port(address, _server_credentials(s.tls))
         except RuntimeError:  # grpc reports a failed bind as RuntimeError, the reason on stderr
             self.grpc_port = 0
         if self.grpc_port == 0:
@@ -100,8 +104,13 @@ class Service:
             await self._probe.setup()
             await web.TCPSite(self._probe, s.probe_host, s.probe_port).start()
         self._ready = True
-        log.info("serving",
-                 extra={"grpc": f"{s.grpc_host}:{self.grpc_port}", "admin": f"{s.admin_host}:{self.admin_port}"})
+        if _tls_mode(s) not in ("mtls", "plaintext"):
+            log.warning("the ext_proc gRPC port listens beyond loopback without mTLS: any client that reaches it "
+                        "can open streams and hold the engine's slots (set EXTPROC_TLS_CERT, EXTPROC_TLS_KEY, "
+                        "EXTPROC_TLS_CLIENT_CA, or restrict it with a network policy)",
+                        extra={"grpc": f"{s.grpc_host}:{self.grpc_port}"})
+        log.info("serving", extra={"grpc": f"{s.grpc_host}:{self.grpc_port}", "grpc_tls": _tls_mode(s),
+                                   "admin": f"{s.admin_host}:{self.admin_port}"})
 
     async def stop(self, grace: float = 10.0) -> None:
         self._ready = False
@@ -147,6 +156,22 @@ def _probe_app(admin: web.Application) -> web.Application:
         if route.method == "GET" and route.resource is not None and route.resource.canonical in PROBE_PATHS:
             app.router.add_get(route.resource.canonical, route.handler)
     return app
+
+
+def _server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """mTLS: the service's certificate, and a client certificate required of every peer, chained to
+    the client CA. A peer without one fails the handshake and never opens a stream."""
+    with open(tls.cert, "rb") as cert, open(tls.key, "rb") as key, open(tls.client_ca, "rb") as ca:
+        return grpc.ssl_server_credentials([(key.read(), cert.read())], root_certificates=ca.read(),
+                                           require_client_auth=True)
+
+
+def _tls_mode(settings: Settings) -> str:
+    """How the gRPC port is protected, for the startup log."""
+    if settings.tls is not None:
+        return "mtls"
+    loopback = settings.grpc_host == "localhost" or settings.grpc_host.startswith("127.") or settings.grpc_host == "::1"
+    return "plaintext" if loopback else "plaintext, reachable beyond loopback: any client can open streams"
 
 
 def _bracket(host: str) -> str:

@@ -211,12 +211,20 @@ SETTINGS: tuple[Setting, ...] = (
             "llm-admission", chart="ledger.keyPrefix", kind="text"),
     Setting("ADMISSION_REPLICA_ID", "this replica's name in the shared ledger and its logs (e.g. the pod name)",
             "host-pid-random", literal=False, chart="ledger (the pod's name)", kind="text"),
-    Setting("EXTPROC_LISTEN", "gRPC ext_proc listen address", "127.0.0.1:9002", chart="admission.grpcPort",
-            kind="listen"),
-    Setting("EXTPROC_ADMIN_LISTEN", "/metrics /healthz /readyz /debug listen address", "127.0.0.1:9003",
-            chart="admission.debugPort", kind="listen"),
-    Setting("EXTPROC_PROBE_LISTEN", "optional second listener: /metrics /healthz /readyz only",
-            chart="admission.adminPort", kind="listen"),
+    # ":PORT" (no host) is loopback for every listener: another interface only when it is named.
+    Setting("EXTPROC_LISTEN", "gRPC ext_proc listen address; HOST:PORT, :PORT = 127.0.0.1:PORT, "
+            "0.0.0.0:PORT = every interface", "127.0.0.1:9002", chart="admission.grpcPort", kind="listen"),
+    Setting("EXTPROC_ADMIN_LISTEN", "/metrics /healthz /readyz /debug listen address; :PORT = 127.0.0.1:PORT",
+            "127.0.0.1:9003", chart="admission.debugPort", kind="listen"),
+    Setting("EXTPROC_PROBE_LISTEN", "optional second listener: /metrics /healthz /readyz only; "
+            ":PORT = 127.0.0.1:PORT", chart="admission.adminPort", kind="listen"),
+    # mTLS on the gRPC port, for a service reached over the network (the chart's shared shape).
+    Setting("EXTPROC_TLS_CERT", "PEM certificate (chain) the gRPC port serves; with EXTPROC_TLS_KEY and "
+            "EXTPROC_TLS_CLIENT_CA (all three or none): mTLS, every client must present a certificate",
+            chart="extproc.tls.secretName", kind="file"),
+    Setting("EXTPROC_TLS_KEY", "PEM private key of EXTPROC_TLS_CERT", chart="extproc.tls.secretName", kind="file"),
+    Setting("EXTPROC_TLS_CLIENT_CA", "PEM CA bundle a client's certificate must chain to (Envoy's); "
+            "`extproc envoy-config` also verifies the service with it", chart="extproc.tls.secretName", kind="file"),
     Setting("EXTPROC_MAX_STREAMS", "concurrent ext_proc streams (parked + in flight)", "10000",
             chart="admission.maxStreams", kind="int", bounds=Bounds(16)),
     Setting("EXTPROC_LOG_LEVEL", "log level; DEBUG adds a line per admitted request with its prompt estimate "

@@ -121,6 +121,7 @@ class EnvoyConfigRun:
     returncode: int
     stderr: str
     text: str  # the file it wrote ("" when it failed)
+    complaint: str = ""  # what `envoy --mode validate` said of it, with the pod's files in place ("" if accepted)
 
 
 @dataclass
@@ -200,14 +201,17 @@ def _flag(argv: list[str], flag: str) -> str:
 
 
 def run_envoy_config(objects: list[dict[str, Any]],
-                     volume_files: Mapping[str, Mapping[str, str]] | None = None) -> EnvoyConfigRun | None:
+                     volume_files: Mapping[str, Mapping[str, str]] | None = None,
+                     validate: bool = False) -> EnvoyConfigRun | None:
     """Run the envoy-config init container of the pods that run Envoy as the kubelet would: its
     command with its env, each of its volumes at its mount path (under a scratch root: paths in
     its env and arguments that lie on a mount are moved there), a ConfigMap volume filled from the
     rendered ConfigMap, any other volume from `volume_files` (volume name -> file -> text: what
     the operator's ConfigMap or Secret holds); and check that the Envoy container of the same pod
-    reads the file it writes. `envFrom` (whole ConfigMaps and Secrets the chart does not render)
-    is not resolved."""
+    reads the file it writes. With `validate`, `envoy --mode validate` checks what it wrote while
+    the volumes are still there (Envoy reads the files the config names, certificates say); the
+    run's `text` is the config as the pod sees it (the scratch root taken out of its paths).
+    `envFrom` (whole ConfigMaps and Secrets the chart does not render) is not resolved."""
     from extproc.cli import main
 
     pods = [d["spec"]["template"]["spec"] for d in objects if d["kind"] == "Deployment"
@@ -255,7 +259,8 @@ def run_envoy_config(objects: list[dict[str, Any]],
         with contextlib.redirect_stderr(stderr):
             returncode = main(local_argv[1:], environ=local_env)
         text = Path(local(_flag(argv, "--output"))).read_text() if returncode == 0 else ""
-    return EnvoyConfigRun(argv, env, returncode, stderr.getvalue(), text)
+        complaint = envoy_validate(text) if validate and returncode == 0 else ""
+    return EnvoyConfigRun(argv, env, returncode, stderr.getvalue(), text.replace(root, ""), complaint)
 
 
 _VALIDATED: dict[str, str] = {}  # sha256 of a config -> Envoy's complaint ("" when it accepted it)
@@ -295,19 +300,38 @@ class Chart:
                 notes = text
                 continue
             objects += [doc for doc in yaml.safe_load_all(text) if doc]
-        run = run_envoy_config(objects, volume_files)
+        run = run_envoy_config(objects, volume_files, validate=not envoy_config_fails)
         if run is not None:
             if envoy_config_fails:
                 assert run.returncode != 0, f"the envoy-config init container succeeded for {json.dumps(values)}"
             else:
                 assert run.returncode == 0, \
                     f"the envoy-config init container failed for {json.dumps(values)}: {run.stderr}"
-                complaint = envoy_validate(run.text)
-                assert not complaint, f"Envoy refuses the config generated for {json.dumps(values)}: {complaint}"
+                assert not run.complaint, \
+                    f"Envoy refuses the config generated for {json.dumps(values)}: {run.complaint}"
         return Rendered(objects, notes, self._chart.merge_values(values), run)
 
     def merged(self, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return self._chart.merge_values(with_engines(values))
+
+
+#: The mTLS Secret's name in the value sets that turn mTLS on (extproc.tls.secretName), and the
+#: name the shared admission service's certificate carries in the test release.
+TLS_SECRET = "extproc-mtls"
+TLS_SERVICE_NAME = f"{RELEASE}-llm-admission-extproc.{NAMESPACE}.svc.cluster.local"
+
+
+@pytest.fixture(scope="session")
+def tls_secret_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What an operator's mTLS Secret holds (a cert-manager Certificate's keys), made with openssl:
+    the volume_files of the "extproc-tls" volume."""
+    from ..certs import make_ca, make_cert, openssl_or_skip
+
+    openssl_or_skip()
+    folder = tmp_path_factory.mktemp("pki")
+    ca = make_ca(folder, "ca")
+    pair = make_cert(folder, "extproc", ca, sans=(f"DNS:{TLS_SERVICE_NAME}",))
+    return {"tls.crt": pair.cert.read_text(), "tls.key": pair.key.read_text(), "ca.crt": ca.cert.read_text()}
 
 
 @pytest.fixture(scope="session")

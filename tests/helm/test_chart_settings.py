@@ -13,7 +13,7 @@ import pytest
 from extproc.config import load_settings
 from extproc.settings_table import BY_ENV, SETTINGS, Setting
 
-from .conftest import CHART, Chart
+from .conftest import CHART, TLS_SECRET, Chart
 
 # Value sets that switch on every conditional part of the admission container's env.
 EVERYTHING: list[dict[str, Any]] = [
@@ -21,18 +21,20 @@ EVERYTHING: list[dict[str, Any]] = [
     {"shape": "shared"},
     {"ledger": {"backend": "redis", "redis": {"url": "redis://redis:6379/0"}}},
     {"admission": {"kvCapacityTokens": 65536, "estimate": {"tokenizer": "qwen3"}}},
+    {"shape": "shared", "extproc": {"tls": {"secretName": TLS_SECRET}}},
 ]
 
 
-def _env_names(chart: Chart) -> set[str]:
+def _env_names(chart: Chart, tls_files: dict[str, str]) -> set[str]:
     names: set[str] = set()
     for values in EVERYTHING:
-        names |= {e["name"] for e in chart.render(values).container("admission")["env"]}
+        rendered = chart.render(values, volume_files={"extproc-tls": tls_files})
+        names |= {e["name"] for e in rendered.container("admission")["env"]}
     return names
 
 
-def test_the_chart_sets_every_setting_the_table_says_it_sets(chart: Chart) -> None:
-    rendered = _env_names(chart)
+def test_the_chart_sets_every_setting_the_table_says_it_sets(chart: Chart, tls_secret_files: dict[str, str]) -> None:
+    rendered = _env_names(chart, tls_secret_files)
     said = {s.env for s in SETTINGS if s.chart is not None}
     assert said - rendered == set(), "the table names a chart key for these, but the chart never sets them"
     assert rendered & set(BY_ENV) == rendered, (

@@ -22,6 +22,24 @@ def test_defaults_match_the_reference_design() -> None:
     assert s.models_refresh_seconds == 30.0
 
 
+LISTENERS = {"EXTPROC_LISTEN": "grpc", "EXTPROC_ADMIN_LISTEN": "admin", "EXTPROC_PROBE_LISTEN": "probe"}
+
+
+@pytest.mark.parametrize("name", sorted(LISTENERS))
+def test_a_listen_address_without_a_host_is_loopback(name: str) -> None:
+    s = load_settings({name: ":9100"})
+    prefix = LISTENERS[name]
+    assert (getattr(s, f"{prefix}_host"), getattr(s, f"{prefix}_port")) == ("127.0.0.1", 9100)
+
+
+@pytest.mark.parametrize("name", sorted(LISTENERS))
+@pytest.mark.parametrize("raw,host", [("0.0.0.0:9100", "0.0.0.0"), ("[::]:9100", "::"), ("10.1.2.3:9100", "10.1.2.3"),
+                                      ("extproc.svc:9100", "extproc.svc"), ("[::1]:9100", "::1")])
+def test_a_listen_address_binds_the_host_it_names(name: str, raw: str, host: str) -> None:
+    s = load_settings({name: raw})
+    assert getattr(s, f"{LISTENERS[name]}_host") == host
+
+
 def test_every_generation_and_pooling_endpoint_vllm_serves_is_gated_by_default() -> None:
     gated = set(load_settings({"ADMISSION_OBSERVE_MODELS": "m"}).gated_paths)
     assert gated >= {

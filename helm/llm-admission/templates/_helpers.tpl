@@ -282,6 +282,7 @@ requests.
   - name: engines
     mountPath: /etc/llm-admission
     readOnly: true
+  {{- include "llm-admission.tlsMount" . | nindent 2 }}
   {{- /* The service's mounts: a setting may name a file on them (estimate.tokenizer). */}}
   {{- with .Values.admission.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
@@ -351,6 +352,7 @@ Its config is what the envoy-config init container wrote into the "envoy-config"
   - name: envoy-hooks
     mountPath: /etc/envoy-hooks
     readOnly: true
+  {{- include "llm-admission.tlsMount" . | nindent 2 }}
   {{- with .Values.envoy.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -398,6 +400,17 @@ env:
   value: "127.0.0.1:{{ int64 $a.debugPort }}"
 - name: EXTPROC_PROBE_LISTEN
   value: "0.0.0.0:{{ int64 $a.adminPort }}"
+{{- if include "llm-admission.tls" $ctx }}
+{{- $dir := include "llm-admission.tlsDir" $ctx }}
+# mTLS (extproc.tls.secretName). The envoy-config init container reads these too: Envoy presents
+# the same certificate and verifies the service with the same CA.
+- name: EXTPROC_TLS_CERT
+  value: "{{ $dir }}/tls.crt"
+- name: EXTPROC_TLS_KEY
+  value: "{{ $dir }}/tls.key"
+- name: EXTPROC_TLS_CLIENT_CA
+  value: "{{ $dir }}/ca.crt"
+{{- end }}
 - name: ADMISSION_MAX_INFLIGHT
   value: {{ int64 $a.maxInflight | quote }}
 - name: ADMISSION_KV_THRESHOLD
@@ -584,16 +597,43 @@ Its engines volume is "engines" (llm-admission.admissionVolumes).
   - name: engines
     mountPath: /etc/llm-admission
     readOnly: true
+  {{- include "llm-admission.tlsMount" . | nindent 2 }}
   {{- with $a.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
 {{- end -}}
 
-{{/* The volume the admission container mounts. */}}
+{{/* The volumes the admission container mounts (and, in the shared shape with mTLS, each Envoy
+pod: the init container and Envoy mount the same Secret). */}}
 {{- define "llm-admission.admissionVolumes" -}}
 - name: engines
   configMap:
     name: {{ include "llm-admission.fullname" . }}-engines
+{{- if include "llm-admission.tls" . }}
+- name: extproc-tls
+  secret:
+    secretName: {{ .Values.extproc.tls.secretName | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* "true" when Envoy and the shared admission service speak mTLS (extproc.tls.secretName, shape
+shared), else "". */}}
+{{- define "llm-admission.tls" -}}
+{{- if and (eq .Values.shape "shared") ((.Values.extproc).tls).secretName -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the mTLS Secret is mounted, the same path in every container that reads it: the service
+(its own certificate and the client CA), the envoy-config init container (which writes these paths
+into Envoy's extproc cluster) and Envoy (which reads them). */}}
+{{- define "llm-admission.tlsDir" -}}/etc/llm-admission-tls{{- end -}}
+
+{{/* The mTLS Secret's volume mount, when mTLS is on. */}}
+{{- define "llm-admission.tlsMount" -}}
+{{- if include "llm-admission.tls" . }}
+- name: extproc-tls
+  mountPath: {{ include "llm-admission.tlsDir" . }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -610,6 +650,9 @@ with this message rather than a Go template error.
 {{- define "llm-admission.validate" -}}
 {{- if not (has .Values.shape (list "sidecar" "shared")) }}
 {{- fail (printf "shape=%q: must be \"sidecar\" (Envoy + admission service in every pod) or \"shared\" (Envoys pointing at one admission service)" .Values.shape) }}
+{{- end }}
+{{- if and (ne .Values.shape "shared") ((.Values.extproc).tls).secretName }}
+{{- fail "extproc.tls.secretName: mTLS is for the shared shape, whose admission service other pods reach over the network. In the sidecar shape the service listens on the pod's own 127.0.0.1, which only that pod's containers reach; unset it, or use shape=shared" }}
 {{- end }}
 {{- if not .Values.engines }}
 {{- fail "engines is required: list the vLLM engines this gateway fronts, e.g. --set 'engines[0].name=qwen' --set 'engines[0].url=http://qwen-vllm-0.qwen-vllm:8000' --set 'engines[0].models={Qwen/Qwen3-8B}'. Each url must reach ONE vLLM process (a pod's address, or a Service over exactly one replica), not a ClusterIP over several replicas: the gate polls that url's /metrics and must always read the same engine" }}
