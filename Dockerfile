@@ -2,11 +2,14 @@
 # The admission service's image: `extproc` (and `python`, for the chart's preStop hook) on PATH,
 # running as an unprivileged user, with nothing in it but Python, the service's wheel and the
 # wheels it depends on. The Helm chart's default `image` is this image as published by
-# .github/workflows/image.yml; build it yourself with
+# .github/workflows/image.yml; build it yourself with `make image` (docker, podman or buildah,
+# whichever is present; README "Container image"), or by hand:
 #   docker build -t llm-admission:0.1.0 .
+#   buildah bud --pull=never --build-arg PYTHON_IMAGE=<a local base> -t llm-admission:0.1.0 .
 # Envoy runs from its own image (envoyproxy/envoy) next to it.
 
-# Pinned base: the Python line the service is tested on, on Debian 12. CI may add the digest.
+# Pinned base: the Python line the service is tested on, on Debian 12. CI may add the digest;
+# --build-arg PYTHON_IMAGE=... names another (a local copy, a mirror) of the same Python line.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

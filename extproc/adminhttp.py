@@ -28,9 +28,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from . import __version__
-from .admission import Admission
-from .config import EngineConfig, Settings
-from .gate import EngineGate
+from .admission import Admission, PollHealth
+from .config import EngineConfig, Settings, redact_url
+from .gate import EngineGate, EngineState
 from .metrics import Metrics
 from .outcomes import Outcome
 
@@ -39,6 +39,18 @@ HISTORY_INTERVAL_SECONDS = 1.0
 HISTORY_SECONDS = 600
 #: The static files the status page is made of (extproc/static/), with their content types.
 STATIC_FILES = {"index.html": "text/html", "status.js": "text/javascript", "status.css": "text/css"}
+
+#: The completion rate the page shows is measured over this many seconds up to now, so it falls
+#: to 0 this long after the last completion (Retry-After keeps its own, event-to-event rate).
+COMPLETION_RATE_WINDOW_SECONDS = 10.0
+
+#: What each poll failure reason means, as the status page names it.
+POLL_FAILURES: dict[str, str] = {
+    "unreachable": "engine unreachable",
+    "timeout": "engine metrics not answering within the poll interval",
+    "http_status": "engine metrics endpoint answers an error",
+    "unparsable": "engine metrics unparsable (observer degraded)",
+}
 
 #: What each outcome means, for the status page's list of recent decisions.
 OUTCOME_REASONS: dict[str, str] = {
@@ -116,6 +128,49 @@ class StatusHistory:
             self._task = None
 
 
+def _secs(value: float) -> str:
+    return f"{value:.1f} s" if value < 120 else f"{int(value // 60)} min {round(value % 60)} s"
+
+
+def engine_health(gated: bool, state: EngineState, polls: PollHealth, stale_after: int,
+                  last_good_age: float | None) -> dict[str, Any]:
+    """Whether the engine's metrics can be read, and what the gate does about it, in words.
+
+    `status`: ok, failing (polls fail, the last good state still stands), degraded (the same with
+    unparsable documents), never_read (no poll finished yet), unreachable (no good poll ever), stale
+    (past the threshold after a good poll). `level`: ok, warn or bad; `fail_open`: the gate admits
+    everything unchecked (state unknown or stale), which the page must never show as an open gate.
+    """
+    fail_open = gated and state is not EngineState.FRESH
+    reason, failed = polls.reason, polls.failed_in_row
+    why = POLL_FAILURES.get(reason or "", f"engine metrics not read ({reason})")
+    detail = polls.detail if len(polls.detail) <= 200 else polls.detail[:199] + "…"
+    cause = f"{why}: {detail}" if detail else why
+    off = "; admission OFF: failing open" if fail_open else ""
+    degraded = reason == "unparsable"
+    if not gated:
+        status, level, headline = "not_polled", "none", "not gated: its metrics are not polled"
+    elif last_good_age is None and failed == 0:
+        status, level, headline = "never_read", "bad" if fail_open else "warn", f"engine metrics not read yet{off}"
+    elif last_good_age is None:
+        status = "degraded" if degraded else "unreachable"
+        level, headline = "bad", f"{status.upper()}: never read, {failed} failed polls ({cause}){off}"
+    elif fail_open:
+        status = "degraded" if degraded else "stale"
+        level = "bad"
+        headline = (f"{status.upper()}: {failed} polls failed in a row ({cause}), stale after {stale_after}; "
+                    f"last good poll {_secs(last_good_age)} ago{off}")
+    elif failed:
+        status, level = ("degraded" if degraded else "failing"), "warn"
+        headline = (f"{status.upper()}: {failed} of {stale_after} polls failed in a row ({cause}); "
+                    f"the gate still decides on the last good poll, {_secs(last_good_age)} ago")
+    else:
+        status, level, headline = "ok", "ok", "engine metrics read"
+    return {"status": status, "level": level, "fail_open": fail_open, "headline": headline, "reason": reason,
+            "detail": detail, "failed_polls": failed, "stale_after_polls": stale_after,
+            "last_good_age_s": None if last_good_age is None else round(last_good_age, 3)}
+
+
 def engine_status(engine: EngineConfig, gate: EngineGate, admission: Admission, settings: Settings) -> dict[str, Any]:
     """One engine as the status page shows it: views of the gate and its recent decisions only."""
     now = admission.now()
@@ -134,11 +189,16 @@ def engine_status(engine: EngineConfig, gate: EngineGate, admission: Admission, 
         "reason": OUTCOME_REASONS.get(d.outcome, d.outcome), "tokens": d.tokens,
         "waited_s": round(d.waited, 3), "retry_after": d.retry_after,
     } for d in reversed(admission.recent(engine.name))]
+    last_good_age = None if snap is None else max(0.0, now - snap.scrape_started)
     return {
         "name": engine.name,
+        "url": redact_url(engine.url),
+        "metrics_url": redact_url(engine.metrics_url),
         "models": list(engine.models),
         "gated": bool(engine.models),
         "state": gate.state.value,
+        "health": engine_health(bool(engine.models), gate.state, admission.poll_health(engine.name),
+                                limits.stale_after_polls, last_good_age),
         "gate_open": gate.is_open(),
         "snapshot": None if snap is None else {
             "running": snap.running, "waiting": snap.waiting, "kv_usage": snap.kv_usage,
@@ -158,7 +218,8 @@ def engine_status(engine: EngineConfig, gate: EngineGate, admission: Admission, 
         "capacity_tokens": gate.capacity_tokens,
         "reserved_tokens": gate.reserved_tokens,
         "available_tokens": gate.available_tokens(),
-        "completion_rate_per_s": _finite(gate.completion_rate()),
+        "completion_rate_per_s": _finite(gate.completion_rate_until(now, COMPLETION_RATE_WINDOW_SECONDS)),
+        "completion_rate_window_s": COMPLETION_RATE_WINDOW_SECONDS,
         "queue": queue,
         "recent": recent,
     }
@@ -186,7 +247,11 @@ def make_app(settings: Settings, metrics: Metrics, admission: Admission, ready: 
             gate = admission.gate(engine.name)
             snap = gate.snapshot
             doc[engine.name] = {
+                "url": redact_url(engine.url),
                 "state": gate.state.value,
+                "health": engine_health(bool(engine.models), gate.state, admission.poll_health(engine.name),
+                                        gate.limits.stale_after_polls,
+                                        None if snap is None else max(0.0, admission.now() - snap.scrape_started)),
                 "models": list(engine.models),
                 "dialect": dialect(engine.name),
                 "queue_depth": gate.queue_depth,

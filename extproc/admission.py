@@ -59,6 +59,15 @@ class RecentDecision:
     retry_after: int | None
 
 
+@dataclass(frozen=True)
+class PollHealth:
+    """How this replica's polls of one engine's metrics have gone lately, for the status page."""
+
+    failed_in_row: int = 0  # polls failed since the last good one (the gate's count, seen here)
+    reason: str | None = None  # the last failure's reason: unreachable, timeout, http_status, unparsable
+    detail: str = ""  # the last failure's detail (the error, the parse problem)
+
+
 @dataclass
 class _Engine:
     config: EngineConfig
@@ -71,6 +80,7 @@ class _Engine:
     deadlines: dict[int, Ticket] = field(default_factory=dict)
     waiters: dict[int, asyncio.Future[Decision]] = field(default_factory=dict)  # until `wait` collects them
     open: dict[int, Ticket] = field(default_factory=dict)  # ours admitted (counted), stream open, by id
+    polls: PollHealth = field(default_factory=PollHealth)
 
 
 def gate_limits(settings: Settings, engine: EngineConfig) -> GateLimits:
@@ -131,6 +141,10 @@ class Admission:
     def gate(self, engine: str) -> EngineGate:
         """The engine's gate as this replica last saw it (a view: decide through the ledger)."""
         return self._ledger.gate(engine)
+
+    def poll_health(self, engine: str) -> PollHealth:
+        """How this replica's polls of the engine's metrics have gone lately."""
+        return self._engines[engine].polls
 
     def recent(self, engine: str) -> tuple[RecentDecision, ...]:
         """The engine's last decisions, oldest first (PARKED included)."""
@@ -253,12 +267,16 @@ class Admission:
         if done > done_before:
             log.info("the engine finished requests whose streams are still open: their slots are free",
                      extra={"engine": engine, "engine_requests": done})
+        self._engines[engine].polls = PollHealth()
         if was_stale and self.gate(engine).state is not EngineState.STALE:
             log.info("engine state is fresh again", extra={"engine": engine})
 
-    async def poll_failed(self, engine: str) -> None:
+    async def poll_failed(self, engine: str, reason: str = "unknown", detail: str = "") -> None:
         was_stale = self.gate(engine).state is EngineState.STALE
         now = self.now()
+        polls = self._engines[engine].polls
+        self._engines[engine].polls = replace(polls, failed_in_row=polls.failed_in_row + 1, reason=reason,
+                                              detail=detail)
         self._apply(engine, await self._ledger.transact(engine, lambda g: g.poll_failed(now)))
         gate = self.gate(engine)
         if gate.state is EngineState.STALE and not was_stale:

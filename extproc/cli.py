@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from . import __version__
 from .config import ConfigError, Settings, load_settings
@@ -164,11 +165,63 @@ def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+#: The start-up log's groups of the effective configuration (`Settings.summary()` keys), one INFO
+#: line each; a key in no group goes to "other", so a new setting is never left out.
+CONFIGURATION_GROUPS: dict[str, tuple[str, ...]] = {
+    "listen": ("grpc_listen", "admin_listen", "probe_listen", "max_body_bytes"),
+    "gated paths": ("gated_paths",),
+    "polling": ("poll_interval_s", "stale_after_polls", "scrape_grace_s", "models_refresh_s", "config_file"),
+    "admission": ("gating", "local_accounting", "kv_budget", "backfill", "wait_estimates", "engine_queue_slots",
+                  "retry_after_s", "generation_reservation", "generation_factor", "wait_prediction"),
+    "estimate": ("estimate",),
+    "sizes": ("bytes_per_token", "estimate_safety_factor", "default_max_tokens"),
+    "ledger": ("ledger", "redis_url", "ledger_lease_s", "ledger_timeout_ms", "ledger_key_prefix", "replica_id"),
+}
+_RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+def configuration_lines(summary: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The effective configuration as (group, settings) pairs: one per group, then one per engine.
+    Nested settings are flattened (`template_tokens.fixed`) so each pair is one short line of key=value."""
+    def flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            if isinstance(value, Mapping):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:  # a key that names a log record field would be refused by logging: prefix it
+                name = f"{prefix}{key}" if f"{prefix}{key}" not in _RECORD_FIELDS else f"setting_{key}"
+                out[name] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        return out
+
+    grouped = {key for keys in CONFIGURATION_GROUPS.values() for key in keys} | {"engines"}
+    lines = []
+    for group, keys in CONFIGURATION_GROUPS.items():
+        nested = summary.get(group)
+        values = flat(nested) if keys == (group,) and isinstance(nested, Mapping) else \
+            flat({k: summary[k] for k in keys if k in summary})
+        lines.append((group, values))
+    other = {k: v for k, v in summary.items() if k not in grouped}
+    if other:
+        lines.append(("other", flat(other)))
+    for engine in summary.get("engines", ()):
+        lines.append((f"engine {engine['name']}", flat({k: v for k, v in engine.items() if k != "name"})))
+    return lines
+
+
+def log_configuration(settings: Settings) -> None:
+    """The effective configuration at start-up: one readable INFO line per group and per engine;
+    the whole of it as one JSON document at DEBUG."""
+    summary = settings.summary()
+    for group, values in configuration_lines(summary):
+        log.info("configuration: %s", group, extra=values)
+    log.debug("effective configuration", extra={"config": summary})
+
+
 def _serve(settings: Settings, grace: float) -> int:
     from .server import serve
 
     configure(settings.log_level, settings.log_format)
-    log.info("effective configuration", extra={"config": settings.summary()})
+    log_configuration(settings)
     if not settings.gating:
         log.warning("no models configured (ADMISSION_OBSERVE_MODELS / EXTPROC_CONFIG): "
                     "every request passes through ungated")

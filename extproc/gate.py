@@ -210,6 +210,7 @@ from dataclasses import astuple, dataclass, field
 from typing import Any
 
 from .outcomes import Outcome
+from .rates import rate_until_now
 
 DEFAULT_BLOCK_SIZE = 16
 RETRY_AFTER_MIN_SECONDS = 1
@@ -455,6 +456,10 @@ class EngineGate:
     def generation_mean(self) -> float | None:
         """The engine's recent mean generation per finished request, or None before any."""
         return self._generation_mean
+
+    def completion_rate_until(self, now: float, window: float) -> float:
+        """Completions per second over the `window` seconds ending at `now` (0 once they stop)."""
+        return rate_until_now(self._completions, now, window, RATE_WINDOW)
 
     def cost(self, ticket: Ticket) -> int:
         """The ticket's KV reservation: its estimate (with the learned generation, if so

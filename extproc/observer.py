@@ -240,7 +240,7 @@ class EngineObserver:
         if first and not degraded_logged:
             self._set_degraded(engine, True, f"{reason}: {detail}", first)
         log.debug("poll failed", extra={"engine": engine.name, "reason": reason, "detail": detail})
-        await self._admission.poll_failed(engine.name)
+        await self._admission.poll_failed(engine.name, reason, detail)
 
     def _set_degraded(self, engine: EngineConfig, degraded: bool, detail: str, first: bool) -> None:
         before = self._degraded.get(engine.name)

@@ -30,6 +30,7 @@ const fmt = {
     return Math.floor(v / 60) + " min " + Math.round(v % 60) + " s";
   },
   rate: (v) => (v === null || v === undefined ? "–" : v.toFixed(2) + "/s"),
+  scale: (v) => (v === null || v === undefined ? "–" : Number.isInteger(v) ? v.toLocaleString("en-US") : v.toFixed(1)),
 };
 
 function tile(field, label) {
@@ -39,13 +40,21 @@ function tile(field, label) {
     el("div", { class: "sub", "data-field": field + "-sub" }, ""));
 }
 
+// Minutes-ago labels under every chart, oldest first.
+const TIME_AXIS = [300, 240, 180, 120, 60, 0].map((s) => (s === 0 ? "now" : `${s / 60} min ago`));
+
 function chart(field, label, nSeries) {
   const svg = svgEl("svg", { viewBox: "0 0 300 70", preserveAspectRatio: "none", "data-chart": field });
+  for (const y of [2, 35, 68]) svg.append(svgEl("line", { class: "grid", x1: 0, x2: 300, y1: y, y2: y }));
+  for (let i = 1; i < 5; i++) svg.append(svgEl("line", { class: "grid", x1: 60 * i, x2: 60 * i, y1: 0, y2: 70 }));
   svg.append(svgEl("line", { class: "limit", x1: 0, x2: 300, y1: -10, y2: -10 }));
   for (let i = 0; i < nSeries; i++) svg.append(svgEl("polyline", { class: "series-" + i, points: "" }));
+  const yAxis = el("div", { class: "y-axis", "data-axis": "y" }, el("span", {}, ""), el("span", {}, ""), el("span", {}, ""));
+  const xAxis = el("div", { class: "x-axis", "data-axis": "x" }, ...TIME_AXIS.map((t) => el("span", {}, t)));
   return el("div", { class: "chart" },
     el("div", { class: "label" }, el("span", {}, label), el("span", { "data-field": field + "-now" }, "")),
-    svg);
+    el("div", { class: "plot" }, yAxis, svg),
+    xAxis);
 }
 
 function table(field, headers) {
@@ -60,7 +69,9 @@ function engineSection(name) {
       el("h2", {}, name),
       el("span", { class: "badge", "data-field": "state" }, "–"),
       el("span", { class: "badge", "data-field": "gate" }, "–"),
-      el("span", { class: "models muted", "data-field": "models" }, "")),
+      el("span", { class: "models muted", "data-field": "models" }, ""),
+      el("span", { class: "url muted", "data-field": "url" }, "")),
+    el("p", { class: "banner", "data-field": "banner", hidden: "" }, ""),
     el("div", { class: "tiles" },
       tile("running", "running (engine)"), tile("waiting", "waiting (engine)"),
       tile("kv_usage", "KV cache usage"), tile("snapshot_age", "gauges age"),
@@ -119,7 +130,10 @@ function drawChart(section, field, now, history, series, limit, fixedMax) {
   line.setAttribute("y2", ly);
   const last = points.length ? points[points.length - 1] : null;
   const now0 = last && last[series[0]] !== null && last[series[0]] !== undefined ? last[series[0]] : null;
-  set(section, field + "-now", field === "kv" ? fmt.pct(now0) : field === "decisions" ? fmt.rate(now0) : fmt.int(now0));
+  const scale = field === "kv" ? fmt.pct : field === "decisions" ? fmt.rate : fmt.scale;
+  set(section, field + "-now", scale(now0));
+  const ticks = svg.parentNode.querySelectorAll('[data-axis="y"] span');
+  [max, max / 2, 0].forEach((v, i) => { ticks[i].textContent = scale(v); });
 }
 
 function fillTable(section, field, rows, emptyText, cells) {
@@ -138,6 +152,10 @@ function fillTable(section, field, rows, emptyText, cells) {
 
 function render(doc) {
   const main = document.getElementById("engines");
+  const unread = doc.engines.filter((e) => e.health.level === "bad");
+  const alerts = document.getElementById("alerts");
+  alerts.textContent = unread.map((e) => `${e.name}: ${e.health.headline}`).join(" | ");
+  alerts.hidden = unread.length === 0;
   document.getElementById("service").textContent =
     `version ${doc.version}, up ${fmt.secs(doc.uptime_s)}${doc.ready ? "" : ", NOT READY"}`;
   for (const e of doc.engines) {
@@ -146,25 +164,42 @@ function render(doc) {
       section = engineSection(e.name);
       main.append(section);
     }
-    const stateKind = { fresh: "ok", stale: "bad", unknown: "warn" }[e.state] || "";
-    badge(section, "state", e.gated ? `engine state ${e.state}` : "not gated", e.gated ? stateKind : "");
-    badge(section, "gate", e.gate_open ? "gate open" : "gate closed", e.gate_open ? "ok" : "warn");
+    const health = e.health;
+    const level = { ok: "ok", warn: "warn", bad: "bad" }[health.level] || "";
+    section.dataset.health = health.status;
+    badge(section, "state", e.gated ? `engine state ${e.state}` : "not gated", e.gated ? level : "");
+    // An engine whose metrics cannot be read is never shown behind a green gate: failing open is
+    // admission switched off, and a gate deciding on an old poll is amber.
+    if (health.fail_open) badge(section, "gate", "admission OFF: failing open", "bad");
+    else if (e.gate_open) badge(section, "gate", "gate open", level === "ok" || !e.gated ? "ok" : "warn");
+    else badge(section, "gate", "gate closed", "warn");
     set(section, "models", e.models.join(", "));
+    set(section, "url", `engine ${e.url}, metrics ${e.metrics_url}`);
+    const banner = section.querySelector('[data-field="banner"]');
+    banner.textContent = health.headline;
+    banner.className = "banner " + level;
+    banner.hidden = health.status === "ok" || health.status === "not_polled";
     const snap = e.snapshot;
     const lim = e.limits;
     const slots = lim.max_inflight + lim.engine_queue_slots;
-    set(section, "running", fmt.int(snap && snap.running), `max in-flight ${lim.max_inflight}`);
-    set(section, "waiting", fmt.int(snap && snap.waiting), "");
-    set(section, "kv_usage", fmt.pct(snap && snap.kv_usage), `threshold ${fmt.pct(lim.kv_threshold)}`);
-    set(section, "snapshot_age", fmt.secs(snap && snap.age_s),
-      `poll every ${lim.poll_interval_s} s, stale after ${lim.stale_after_polls} failures`);
+    const old = health.status === "ok" || !snap ? "" : `last good poll, ${fmt.secs(snap.age_s)} ago`;
+    for (const f of ["running", "waiting", "kv_usage", "effective_load"]) {
+      section.querySelector(`[data-field="${f}"]`).parentNode.classList.toggle("unread", health.fail_open);
+    }
+    set(section, "running", fmt.int(snap && snap.running), old || `max in-flight ${lim.max_inflight}`);
+    set(section, "waiting", fmt.int(snap && snap.waiting), old);
+    set(section, "kv_usage", fmt.pct(snap && snap.kv_usage), old || `threshold ${fmt.pct(lim.kv_threshold)}`);
+    set(section, "snapshot_age", snap ? fmt.secs(snap.age_s) : e.gated ? "never read" : "–",
+      health.status === "ok" || !e.gated
+        ? `poll every ${lim.poll_interval_s} s, stale after ${lim.stale_after_polls} failures`
+        : `${health.status}: ${health.failed_polls} failed polls (${health.reason || "none finished"})`);
     set(section, "effective_load", fmt.int(e.effective_load), `parks at ${slots}`);
     set(section, "inflight", fmt.int(e.inflight), "");
     set(section, "queue_depth", fmt.int(e.queue_depth), `at most ${lim.max_queue_depth}, ${lim.max_park_seconds} s each`);
     set(section, "capacity_tokens", fmt.int(e.capacity_tokens), lim.kv_budget ? "KV budget on" : "KV budget off");
     set(section, "reserved_tokens", fmt.int(e.reserved_tokens), "by open requests admitted here");
     set(section, "available_tokens", fmt.int(e.available_tokens), "");
-    set(section, "completion_rate", fmt.rate(e.completion_rate_per_s), "of requests admitted here");
+    set(section, "completion_rate", fmt.rate(e.completion_rate_per_s), `over the last ${e.completion_rate_window_s} s`);
 
     const h = e.history;
     drawChart(section, "load", doc.now, h, ["load"], slots);

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -39,7 +41,13 @@ def test_metrics_expose_the_reference_series(stack: Stack) -> None:
     assert 'observer_degraded{engine="default"} 0.0' in text
 
 
-def test_startup_logs_the_effective_configuration_once(stack: Stack) -> None:
-    lines = [line for line in stack.service_log().splitlines() if "effective configuration" in line]
-    assert len(lines) == 1
-    assert '"max_inflight": 4' in lines[0] and '"kv_threshold": 0.9' in lines[0]
+def test_startup_logs_the_effective_configuration_once_in_readable_lines(stack: Stack) -> None:
+    records = [json.loads(line) for line in stack.service_log().splitlines() if line.startswith("{")]
+    groups = [r for r in records if r["msg"].startswith("configuration: ")]
+    assert [r["level"] for r in groups] == ["INFO"] * len(groups) and len(groups) >= 5
+    assert all(len(json.dumps(r)) < 400 for r in groups), max(groups, key=lambda r: len(json.dumps(r)))
+    (engine,) = [r for r in groups if r["msg"] == "configuration: engine default"]
+    assert (engine["max_inflight"], engine["kv_threshold"]) == (4, 0.9)
+    # The whole document once, at DEBUG (these stacks log at DEBUG).
+    (full,) = [r for r in records if r["msg"] == "effective configuration"]
+    assert full["level"] == "DEBUG" and full["config"]["engines"][0]["max_inflight"] == 4

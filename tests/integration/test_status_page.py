@@ -131,6 +131,13 @@ STATE_JS = f"""JSON.stringify((() => {{
     capacity: field("capacity_tokens"), queue: rows("queue"), recent: rows("recent"),
     charts: {{load: points("load"), kv: points("kv"), queue: points("queue"), decisions: points("decisions")}},
     freshness: document.getElementById("freshness").textContent, marker: window.__notReloaded === true,
+    url: field("url"), banner: e.querySelector('[data-field="banner"]').hidden ? null : field("banner"),
+    age_sub: field("snapshot_age-sub"),
+    alerts: document.getElementById("alerts").hidden ? null : document.getElementById("alerts").textContent,
+    x_axis: [...e.querySelectorAll('[data-chart="kv"]')].map((c) => [...c.closest(".chart")
+      .querySelectorAll('[data-axis="x"] span')].map((s) => s.textContent))[0],
+    y_axis: Object.fromEntries(["load", "kv", "queue", "decisions"].map((c) => [c, [...e.querySelector(
+      `[data-chart="${{c}}"]`).closest(".chart").querySelectorAll('[data-axis="y"] span')].map((s) => s.textContent)])),
   }};
 }})())"""
 
@@ -200,6 +207,13 @@ def test_the_page_shows_requests_parking_and_leaving_live(stack: Stack, chromium
     assert v["recent"][0][3] == "no room: waiting in the park"
     assert all(n >= 2 for n in (v["charts"]["load"][0], v["charts"]["kv"][0], v["charts"]["queue"][0]))
     assert v["freshness"].startswith("live")
+    # The engine's address, no alarm while its metrics are read, and charts with a time axis and a scale.
+    assert v["url"] == f"engine {stack.local.engine_base}, metrics {stack.local.engine_base}/metrics"
+    assert v["banner"] is None and v["alerts"] is None
+    assert v["x_axis"] == ["5 min ago", "4 min ago", "3 min ago", "2 min ago", "1 min ago", "now"]
+    assert v["y_axis"]["kv"] == ["100.0 %", "50.0 %", "0.0 %"]
+    assert v["y_axis"]["queue"][-1] == "0" and float(v["y_axis"]["queue"][0]) >= 2  # two parked, on the scale
+    assert v["y_axis"]["decisions"][-1] == "0.00/s" and v["y_axis"]["decisions"][0].endswith("/s")
     # No prompt content anywhere on the page.
     assert "xxxx" not in json.dumps(v)
 
@@ -237,3 +251,76 @@ def test_the_status_page_is_not_on_the_probe_port(make_stack: Callable[..., Stac
     for path in ("/", "/debug/status", "/static/status.js"):
         assert http_get(f"http://127.0.0.1:{probe}{path}")[0] == 404
         assert http_get(f"{stack.local.admin_url}{path}")[0] == 200
+
+
+# --- an engine whose metrics cannot be read: one test per state, asserted on the rendered page ---
+
+def _page_when(chromium: int, admin_url: str, condition: str, what: str) -> dict[str, Any]:
+    """Open the status page, wait until the JavaScript `condition` holds for the engine's section
+    (`e`), and return what it shows."""
+    async def drive() -> dict[str, Any]:
+        session, browser = await _page(chromium)
+        try:
+            await browser.send("Page.enable")
+            await browser.send("Page.navigate", url=f"{admin_url}/")
+            await browser.wait_for(f"(() => {{ const e = document.querySelector('{ENGINE}'); "
+                                   f"return !!e && ({condition}); }})()", what, timeout=30)
+            return await _state(browser)
+        finally:
+            await browser.ws.close()
+            await session.close()
+
+    return asyncio.run(drive())
+
+
+BANNER = "e.querySelector('[data-field=\"banner\"]')"
+
+
+def _never_open(view: dict[str, Any]) -> None:
+    """The page's promise for an engine it cannot read: no open gate, admission said to be off."""
+    assert view["gate"] == "admission OFF: failing open", view
+    assert "gate open" not in json.dumps(view)
+    assert view["alerts"] is not None and view["alerts"].startswith("default: ") and view["banner"] in view["alerts"]
+
+
+def test_an_engine_nobody_listens_on_is_shown_unreachable_never_read(
+        make_stack: Callable[..., Stack], chromium: int) -> None:
+    from devstack import free_port
+
+    engine = f"http://127.0.0.1:{free_port()}"
+    stack = make_stack(engine_url=engine)
+    view = _page_when(chromium, stack.local.admin_url, f"{BANNER}.textContent.includes('UNREACHABLE')",
+                      "the unreachable banner")
+    assert view["banner"].startswith("UNREACHABLE: never read, ") and "(engine unreachable: " in view["banner"]
+    assert view["banner"].endswith("admission OFF: failing open")
+    _never_open(view)
+    assert view["url"] == f"engine {engine}, metrics {engine}/metrics"
+    assert view["age"] == "never read" and view["age_sub"].startswith("unreachable: ")
+    assert (view["running"], view["kv"]) == ("–", "–")
+
+
+def test_an_engine_gone_after_a_good_poll_is_shown_stale_with_the_age_of_that_poll(
+        stack: Stack, chromium: int) -> None:
+    stack.wait_state(lambda s: s["state"] == "fresh", "a good poll")
+    assert stack.local.sim is not None
+    stack.local.sim.stop()
+    view = _page_when(chromium, stack.local.admin_url, f"{BANNER}.textContent.startsWith('STALE')",
+                      "the stale banner")
+    banner = view["banner"]
+    assert "polls failed in a row (engine unreachable: " in banner and ", stale after 3; last good poll " in banner
+    assert banner.endswith(" s ago; admission OFF: failing open")
+    _never_open(view)
+    assert view["age"].endswith(" s") and view["age_sub"].startswith("stale: ") and "(unreachable)" in view["age_sub"]
+    assert view["running"] != "–"  # the last good gauges stay visible, marked as such
+
+
+def test_garbage_metrics_are_shown_degraded(stack: Stack, chromium: int) -> None:
+    stack.wait_state(lambda s: s["state"] == "fresh", "a good poll")
+    stack.sim("/control/metrics_mode", {"mode": "garbage"})
+    view = _page_when(chromium, stack.local.admin_url,
+                      f"{BANNER}.textContent.startsWith('DEGRADED') && {BANNER}.textContent.includes('failing open')",
+                      "the degraded banner")
+    assert "(engine metrics unparsable (observer degraded): " in view["banner"]
+    assert "last good poll " in view["banner"]
+    _never_open(view)
+    assert view["age_sub"].startswith("degraded: ") and "(unparsable)" in view["age_sub"]
