@@ -13,6 +13,7 @@ from typing import Any
 
 from . import __version__
 from .config import ConfigError, Settings, load_settings
+from .endpoints import DEFAULT_GATED_PATHS, DEFAULT_PASS_PATHS
 from .envoyconf import DEFAULT_ENVOY_MEMORY_LIMIT_BYTES, DEFAULT_TTFT_ALLOWANCE_SECONDS, ExtprocTls
 from .logs import configure
 from .settings_table import environment_help
@@ -169,7 +170,7 @@ def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
 #: line each; a key in no group goes to "other", so a new setting is never left out.
 CONFIGURATION_GROUPS: dict[str, tuple[str, ...]] = {
     "listen": ("grpc_listen", "admin_listen", "probe_listen", "max_body_bytes"),
-    "gated paths": ("gated_paths",),
+    "paths": ("gated_paths", "pass_paths"),
     "polling": ("poll_interval_s", "stale_after_polls", "scrape_grace_s", "models_refresh_s", "config_file"),
     "admission": ("gating", "local_accounting", "kv_budget", "backfill", "wait_estimates", "engine_queue_slots",
                   "retry_after_s", "generation_reservation", "generation_factor", "wait_prediction"),
@@ -178,6 +179,15 @@ CONFIGURATION_GROUPS: dict[str, tuple[str, ...]] = {
     "ledger": ("ledger", "redis_url", "ledger_lease_s", "ledger_timeout_ms", "ledger_key_prefix", "replica_id"),
 }
 _RECORD_FIELDS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+#: Path lists logged by name when they are the defaults: the gated list is every vLLM engine route
+#: (two dozen, and growing with vLLM), too long for a readable line.
+_DEFAULT_PATHS = {"gated_paths": DEFAULT_GATED_PATHS, "pass_paths": DEFAULT_PASS_PATHS}
+
+
+def _paths(paths: Any, default: tuple[str, ...]) -> Any:
+    return f"default ({len(default)} paths)" if tuple(paths) == default else paths
 
 
 def configuration_lines(summary: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -193,6 +203,8 @@ def configuration_lines(summary: Mapping[str, Any]) -> list[tuple[str, dict[str,
                 out[name] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
         return out
 
+    summary = {**summary, **{key: _paths(summary[key], default) for key, default in _DEFAULT_PATHS.items()
+                             if key in summary}}
     grouped = {key for keys in CONFIGURATION_GROUPS.values() for key in keys} | {"engines"}
     lines = []
     for group, keys in CONFIGURATION_GROUPS.items():
