@@ -111,3 +111,27 @@ def test_slow_header_connections_cannot_refuse_new_clients_beyond_the_headers_ti
             sock.close()
         if trickler.is_alive():
             trickler.join(10)
+
+
+def test_idle_keep_alive_connections_give_their_slots_up_as_the_cap_nears(make_stack) -> None:  # noqa: ANN001
+    """At 90% of the connection cap the overload manager scales the 60 s downstream idle timeout down
+    to 1 s: idle keep-alive connections are closed long before 60 s, leaving slots for new clients."""
+    from extproc.envoyconf import DOWNSTREAM_IDLE_TIMEOUT_SECONDS
+
+    cap = 10
+    stack = make_stack(envoy_args={"memory_limit_bytes": DEFAULT_ENVOY_MEMORY_LIMIT_BYTES,
+                                   "downstream_connections": cap})
+    conns = [http.client.HTTPConnection("127.0.0.1", stack.local.envoy_port, timeout=30) for _ in range(cap - 1)]
+    try:
+        for conn in conns:  # one request each, then the connection stays open and idle (keep-alive)
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 200
+        # Well before the unscaled 60 s (a generous deadline, not a measurement), Envoy closes them.
+        wait_until(lambda: stack.envoy_stat("^http\\.inference\\.downstream_cx_idle_timeout$") >= 1,
+                   DOWNSTREAM_IDLE_TIMEOUT_SECONDS * 2 // 3, "Envoy to close idle connections under pressure")
+        assert _served(stack) == 200
+    finally:
+        for conn in conns:
+            conn.close()
