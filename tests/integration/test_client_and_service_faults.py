@@ -112,13 +112,15 @@ def test_a_stalled_service_holds_its_requests_and_decides_each_one_when_it_resum
         pid = stack.local.extproc.process.pid
         os.kill(pid, signal.SIGSTOP)
         try:
+            # The whole stop lasts STALL_SECONDS from here, however long the arrivals take on a busy
+            # machine: well inside the 15 s Envoy now allows, well past the 1 s and 5 s it allowed.
+            end = time.monotonic() + STALL_SECONDS
             arriving = [pool.submit(post, stack.url + URL, chat_body(f"n{i}", max_tokens=2), {"x-request-id": f"n{i}"},
                                     60) for i in range(4)]
-            wait_until(lambda: stack.envoy_stat("^http\\.inference\\.downstream_rq_active$") == 8, 20,
-                       "Envoy to hold the four parked and the four arriving requests")
             seen: list[str] = []
-            end = time.monotonic() + STALL_SECONDS
+            held = 0
             while time.monotonic() < end:  # the stall itself; nothing may reach the engine during it
+                held = max(held, stack.envoy_stat("^http\\.inference\\.downstream_rq_active$"))
                 seen = stack.arrivals()
                 if seen:
                     break
@@ -126,6 +128,7 @@ def test_a_stalled_service_holds_its_requests_and_decides_each_one_when_it_resum
         finally:
             os.kill(pid, signal.SIGCONT)
         assert seen == []
+        assert held == 8  # Envoy held the four parked and the four arriving requests during the stall
         # The service resumes and decides all eight: the gate is closed, so all eight park.
         stack.wait_state(lambda s: s["queue_depth"] == 8, "all eight requests parked by the service", timeout=30)
         assert stack.arrivals() == []
