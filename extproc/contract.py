@@ -28,6 +28,14 @@ ESCAPED_SEPARATOR_REGEX = ".*%(2[fF]|5[cC]).*"
 UNGATED_CLUSTER_SUFFIX = "_ungated"
 #: Extra time Envoy waits beyond the park cap, so the 503 at the cap always beats Envoy's timeout.
 PARK_TIMEOUT_MARGIN_SECONDS = 5.0
+#: How long the service may stall (a GC pause, CPU starvation on a loaded node, a stopped process)
+#: before Envoy gives up on it. Envoy 1.40's ext_proc has one failure path for "unreachable",
+#: "timed out" and "stream reset" alike (`failure_mode_allow`), so every timeout that could declare
+#: a live service dead is at least this long: the filter's `message_timeout`, the HTTP/2 keepalive
+#: timeout on the service's connection, and the override a parked request gets. A stall shorter than
+#: this holds requests and then they are decided; only a service that is down (connection refused or
+#: reset, dead for longer than this) is failed open.
+SERVICE_STALL_SECONDS = 15.0
 #: Envoy's bound on ext_proc's max_message_timeout (a proto constraint: at most 1 h).
 MAX_EXT_PROC_MESSAGE_TIMEOUT_SECONDS = 3600
 #: The longest park cap: Envoy's max_message_timeout is the park cap plus two margins.

@@ -5,9 +5,20 @@ The timeouts follow from the park cap (DESIGN.md, Envoy 1.40 facts):
   generation can stream for many minutes;
 - `stream_idle_timeout` fires while a request is parked and while a long prefill produces no
   bytes: it must exceed the park cap plus the worst time to first token (default cap + 600 s);
-- ext_proc `message_timeout` bounds ordinary answers (the service answers in well under a
-  millisecond); `max_message_timeout` must admit the one `override_message_timeout` the service
-  sends when it parks a request (park cap + margin);
+- ext_proc `message_timeout` bounds ordinary answers. The service answers in well under a
+  millisecond, but Envoy 1.40's ext_proc fails a message timeout, a reset stream and an
+  unreachable service alike (`failure_mode_allow`: open = forward ungated), and has no option that
+  tells them apart. So every timeout that could declare a live service dead is at least
+  `SERVICE_STALL_SECONDS` (15 s): `message_timeout`; the HTTP/2 `connection_keepalive` timeout on
+  the service's connection (a ping unanswered for that long closes the connection and resets every
+  stream on it, parked ones included; interval 30 s, so a dead peer without a FIN is noticed within
+  ~50 s); and the override a parked request gets. A stall shorter than that (GC, a starved CPU, a
+  stopped process) holds requests, and the service decides each one when it resumes: admitted, or
+  503 + Retry-After. Fail-open is left for a service that is down: connection refused or reset
+  (at once), or silent for longer than `SERVICE_STALL_SECONDS`;
+- `max_message_timeout` must admit the one `override_message_timeout` the service sends when it
+  parks a request (park cap + margin, at least `SERVICE_STALL_SECONDS`): park cap + 2 margins, at
+  least `SERVICE_STALL_SECONDS` + margin;
 - the listener's `per_connection_buffer_limit_bytes` is the body cap: with body mode
   BUFFERED_PARTIAL a larger body reaches the service as a prefix with `end_of_stream=false`, and
   the service answers 413 itself (a JSON body, not Envoy's plain text); on a one-message route
@@ -67,6 +78,23 @@ service's client CA: one Secret for both sides, as the chart mounts it.
 forwards requests ungated, so an admission outage never becomes an inference outage; `closed`
 answers 503 (`status_on_error`) instead.
 
+Slow clients cannot hold the listener (a client that sends a partial request header and one
+byte every few seconds, hundreds of them): HCM `request_headers_timeout`
+(`REQUEST_HEADERS_TIMEOUT_SECONDS`, 10 s: a real client sends its headers in one write; a slow
+mobile link needs a few seconds; the timer starts at the first byte and no trickle resets it)
+closes such a connection, with a 408, however slowly it trickles, so the connection cap below is
+held by slow clients for at most that long; a downstream connection with no request in progress
+is closed after `DOWNSTREAM_IDLE_TIMEOUT_SECONDS` (60 s, the HTTP/1 keep-alive a client pool
+holds; Envoy's default is 1 h). Neither timer touches a request that is parked or generating (the
+headers are in, and a request is in progress). Under connection pressure the overload manager
+shortens the idle timeout (`reduce_timeouts`, HTTP_DOWNSTREAM_CONNECTION_IDLE, scaled from 50% to
+90% of the connection cap down to `MIN_DOWNSTREAM_IDLE_TIMEOUT_SECONDS`), so idle keep-alive
+connections give their slots to new clients first. The stream idle timer is deliberately not
+scaled: it is what a parked request waits under. Measured (default 512 MiB, cap 166, `python -m
+pytest tests/integration/test_slow_clients.py`): 400 slow-header connections, 166 accepted and
+234 refused at once; the 166 are answered 408 after 10 s, and a new client is served then; before
+these timeouts the 166 were held for as long as they trickled and every new client was refused.
+
 Envoy's memory is bounded against its container's limit (`overload_manager`): every downstream
 connection may hold up to two body-cap buffers (its read buffer and the request body buffered
 for the service, each up to `per_connection_buffer_limit_bytes`), so a global cap on downstream
@@ -112,6 +140,7 @@ from .contract import (
     ROUTE_METADATA_KEY,
     ROUTE_METADATA_NAMESPACE,
     SERVICE_REPLY_DETAILS_PREFIX,
+    SERVICE_STALL_SECONDS,
     STRIPPED_HEADER_PREFIX,
     UNGATED_CLUSTER_SUFFIX,
 )
@@ -131,6 +160,16 @@ HEAP_PERCENT_OF_LIMIT = 90
 ENVOY_BASE_HEAP_BYTES = 128 * 1024 * 1024
 #: Body-cap buffers one downstream connection may hold: its read buffer and the buffered request body.
 BUFFERS_PER_CONNECTION = 2
+#: A client's whole request header must arrive within this (HCM request_headers_timeout).
+REQUEST_HEADERS_TIMEOUT_SECONDS = 10
+#: A downstream connection with no request in progress is closed after this (HCM idle_timeout).
+DOWNSTREAM_IDLE_TIMEOUT_SECONDS = 60
+#: The idle timeout under connection pressure (the overload manager's reduce_timeouts, saturated).
+MIN_DOWNSTREAM_IDLE_TIMEOUT_SECONDS = 1
+#: Connection pressure (fraction of the cap) where the idle timeout starts shrinking, and where it is smallest.
+IDLE_SCALING_FROM, IDLE_SCALING_TO = 0.5, 0.9
+#: The HTTP/2 keepalive on the service's connection: a ping every interval, the peer dead if unanswered.
+SERVICE_KEEPALIVE_INTERVAL_SECONDS = 30
 #: Below this many connections the memory limit is too small for the body cap.
 MIN_DOWNSTREAM_CONNECTIONS = 16
 _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -220,9 +259,11 @@ def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int,
                 "explicit_http_config": {
                     "http2_protocol_options": {
                         "max_concurrent_streams": max_requests,
-                        # A dead peer (node gone without a FIN) is noticed within ~35 s instead of
-                        # when TCP gives up; the service allows pings every 10 s.
-                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                        # A dead peer (node gone without a FIN) is noticed within ~50 s instead of
+                        # when TCP gives up (the service allows pings every 10 s); a live one that
+                        # stalls for less than SERVICE_STALL_SECONDS is not declared dead.
+                        "connection_keepalive": {"interval": _seconds(SERVICE_KEEPALIVE_INTERVAL_SECONDS),
+                                                 "timeout": _seconds(SERVICE_STALL_SECONDS)},
                     }
                 },
             }
@@ -256,6 +297,9 @@ def max_downstream_connections(memory_limit_bytes: int, buffer_bytes: int) -> in
     return connections
 
 
+_CONNECTIONS_MONITOR = "envoy.resource_monitors.global_downstream_max_connections"
+
+
 def _overload_manager(memory_limit_bytes: int, connections: int) -> dict[str, Any]:
     heap = "envoy.resource_monitors.fixed_heap"
     return {
@@ -264,7 +308,7 @@ def _overload_manager(memory_limit_bytes: int, connections: int) -> dict[str, An
             {"name": heap, "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
                 "max_heap_size_bytes": heap_cap_bytes(memory_limit_bytes)}},
-            {"name": "envoy.resource_monitors.global_downstream_max_connections", "typed_config": {
+            {"name": _CONNECTIONS_MONITOR, "typed_config": {
                 "@type": ("type.googleapis.com/"
                           "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"),
                 "max_active_downstream_connections": connections}},
@@ -273,6 +317,14 @@ def _overload_manager(memory_limit_bytes: int, connections: int) -> dict[str, An
             {"name": "envoy.overload_actions.shrink_heap", "triggers": [{"name": heap, "threshold": {"value": 0.95}}]},
             {"name": "envoy.overload_actions.stop_accepting_requests",
              "triggers": [{"name": heap, "threshold": {"value": 0.98}}]},
+            # Idle keep-alive connections give their slots up first when the cap is near.
+            {"name": "envoy.overload_actions.reduce_timeouts",
+             "triggers": [{"name": _CONNECTIONS_MONITOR, "scaled": {
+                 "scaling_threshold": IDLE_SCALING_FROM, "saturation_threshold": IDLE_SCALING_TO}}],
+             "typed_config": {
+                 "@type": "type.googleapis.com/envoy.config.overload.v3.ScaleTimersOverloadActionConfig",
+                 "timer_scale_factors": [{"timer": "HTTP_DOWNSTREAM_CONNECTION_IDLE",
+                                          "min_timeout": _seconds(MIN_DOWNSTREAM_IDLE_TIMEOUT_SECONDS)}]}},
         ],
     }
 
@@ -549,8 +601,9 @@ def build_envoy_config(
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
         "failure_mode_allow": failure_mode == "open",
-        "message_timeout": "1s",
-        "max_message_timeout": _seconds(park + 2 * PARK_TIMEOUT_MARGIN_SECONDS),
+        "message_timeout": _seconds(SERVICE_STALL_SECONDS),
+        "max_message_timeout": _seconds(max(park + PARK_TIMEOUT_MARGIN_SECONDS, SERVICE_STALL_SECONDS)
+                                        + PARK_TIMEOUT_MARGIN_SECONDS),
         "allow_mode_override": True,
         # Only the headers the service reads: the others cost a decode on both sides of every stream.
         "forward_rules": {"allowed_headers": {"patterns": [{"exact": h} for h in READ_REQUEST_HEADERS]}},
@@ -584,6 +637,8 @@ def build_envoy_config(
         "normalize_path": True,
         "merge_slashes": True,
         "stream_idle_timeout": _seconds(idle),
+        "request_headers_timeout": _seconds(REQUEST_HEADERS_TIMEOUT_SECONDS),
+        "common_http_protocol_options": {"idle_timeout": _seconds(DOWNSTREAM_IDLE_TIMEOUT_SECONDS)},
         "generate_request_id": True,
         # Before routing and before any filter: a client must never pose as the service's answer
         # or pass the engine a header the service sets, and this holds even when the service is
@@ -637,7 +692,9 @@ def build_envoy_config(
         reach_admin = "127.0.0.1" if admin_host in ("0.0.0.0", "::", "") else admin_host
         clusters.append(_cluster(_ADMIN_CLUSTER, reach_admin, admin_port, http2=False, max_requests=64,
                                  connect_timeout="1s"))
-    config: dict[str, Any] = {"admin": {"address": _addr(admin_host, admin_port)}}
+    # The admin interface (loopback: stats, the preStop drain) neither counts toward the global
+    # connection cap nor is refused by it.
+    config: dict[str, Any] = {"admin": {"address": _addr(admin_host, admin_port), "ignore_global_conn_limit": True}}
     if memory_limit_bytes is not None:
         connections = downstream_connections or max_downstream_connections(memory_limit_bytes, settings.max_body_bytes)
         config["overload_manager"] = _overload_manager(memory_limit_bytes, connections)
@@ -656,6 +713,8 @@ def _health_listener(host: str, port: int) -> dict[str, Any]:
         "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
             "@type": _HCM_TYPE,
             "stat_prefix": "envoy_health",
+            "request_headers_timeout": _seconds(REQUEST_HEADERS_TIMEOUT_SECONDS),
+            "common_http_protocol_options": {"idle_timeout": _seconds(DOWNSTREAM_IDLE_TIMEOUT_SECONDS)},
             "route_config": {"name": "envoy_health", "virtual_hosts": [
                 {"name": "envoy_health", "domains": ["*"], "routes": routes}]},
             "http_filters": [_ROUTER],
@@ -666,6 +725,7 @@ def _health_listener(host: str, port: int) -> dict[str, Any]:
 #: The modules of every `@type` the config uses: importing one registers its type URL, so that
 #: `check_envoy_config` can parse the typed_config that names it (envoy-data-plane, Envoy's API).
 _TYPED_CONFIG_MODULES = (
+    "envoy.config.overload.v3",
     "envoy.extensions.filters.network.http_connection_manager.v3",
     "envoy.extensions.filters.http.ext_proc.v3",
     "envoy.extensions.filters.http.router.v3",

@@ -19,7 +19,8 @@ Protocol rules this module relies on (Envoy 1.40, DESIGN.md):
   selects among several.
 - Each message must be answered within `message_timeout`, unless the answer is preceded by one
   `override_message_timeout` (<= `max_message_timeout`); that is how a request is parked. Only
-  the first override counts, so a parked request gets exactly one, sized above the park cap.
+  the first override counts, so a parked request gets exactly one, sized above the park cap and
+  never below `message_timeout` (`SERVICE_STALL_SECONDS`: a parked request survives a stall).
 - The stream stays open until the HTTP stream ends, even after the last request-phase answer.
   Its end is the completion signal that frees the request's slot in the local ledger; a stream
   that ends or breaks while parked means the client went away.
@@ -65,6 +66,7 @@ from .contract import (
     ROUTE_METADATA_KEY,
     ROUTE_METADATA_NAMESPACE,
     SERVICE_REPLY_DETAILS_PREFIX,
+    SERVICE_STALL_SECONDS,
 )
 from .endpoints import PathRules
 from .estimate import CostEstimate
@@ -425,7 +427,8 @@ def _gate_message(decision: Decision, engine: EngineConfig, cost: CostEstimate, 
 
 
 def _park_response(engine: EngineConfig) -> pb.ProcessingResponse:
-    timeout = engine.limits.max_park_seconds + PARK_TIMEOUT_MARGIN_SECONDS
+    # Never below the filter's own message_timeout: a parked request must survive a stall too.
+    timeout = max(engine.limits.max_park_seconds + PARK_TIMEOUT_MARGIN_SECONDS, SERVICE_STALL_SECONDS)
     seconds = int(timeout)
     return pb.ProcessingResponse(
         override_message_timeout=duration_pb2.Duration(seconds=seconds, nanos=int((timeout - seconds) * 1e9))

@@ -259,10 +259,11 @@ def test_timeouts_follow_the_park_cap(chart: Chart, park: float) -> None:
     hcm = _hcm(r.envoy)
     ext_proc = hcm["http_filters"][0]["typed_config"]
     assert hcm["stream_idle_timeout"] == f"{math.ceil(park) + 600}s"
-    assert ext_proc["message_timeout"] == "1s"
-    assert ext_proc["max_message_timeout"] == f"{math.ceil(park + 10)}s"
-    # The service parks with one override of park cap + 5 s: it must fit under both limits.
-    assert _seconds(ext_proc["max_message_timeout"]) >= park + 5
+    # A stalled service is not declared dead (and failed open) within 15 s.
+    assert ext_proc["message_timeout"] == "15s"
+    assert ext_proc["max_message_timeout"] == f"{math.ceil(max(park + 5, 15) + 5)}s"
+    # The service parks with one override of park cap + 5 s (at least 15 s): it must fit under both limits.
+    assert _seconds(ext_proc["max_message_timeout"]) >= max(park + 5, 15)
     assert _seconds(hcm["stream_idle_timeout"]) > park + 5
     assert all(route["route"]["timeout"] == "0s" for route in hcm["route_config"]["virtual_hosts"][0]["routes"])
     assert r.env()["ADMISSION_MAX_PARK_SECONDS"] == f"{park:g}"

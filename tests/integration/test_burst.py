@@ -1,7 +1,7 @@
 """A burst far beyond what the service can answer in time never becomes a bypass.
 
-3,000 concurrent requests against an engine that is already full: the service cannot answer
-every stream within Envoy's message timeout, and Envoy fails open on the ones it gives up on.
+3,000 concurrent requests against an engine that is already full: some ext_proc streams fail
+under the burst (a gRPC error; none outlasts Envoy's 15 s message timeout), and Envoy fails those open.
 The engine cluster's circuit breaker is the backstop: the engine never holds more requests than
 the gate itself admits (max in-flight + engine queue slots), every client gets an answer, and
 the ledger and the park are empty afterwards. The simulator's own timeline is the witness.

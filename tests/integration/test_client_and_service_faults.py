@@ -4,13 +4,18 @@
 - a client that hangs up in the middle of a streamed answer frees its slot at once (the engine
   aborts the request);
 - a service killed under load: the requests it admitted finish, Envoy fails open within the
-  engine cluster's bound, and a restarted service gates again from an empty ledger.
+  engine cluster's bound, and a restarted service gates again from an empty ledger;
+- a service that stalls (stopped for seconds): Envoy holds the requests it is deciding, and the
+  service decides each one when it resumes; none is forwarded ungated.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -86,3 +91,55 @@ def test_a_service_killed_under_load_then_restarted_gates_again_from_an_empty_le
     closed = post(stack.url + URL, chat_body(max_tokens=2), {"x-request-id": "gated-again"}, timeout=5)
     assert (closed.status, closed.headers["x-admission-outcome"]) == (503, "queue_full")
     assert "gated-again" not in stack.arrivals()
+
+
+STALL_SECONDS = 7.0  # the service stopped this long: longer than Envoy's old keepalive and message timeouts
+
+
+def test_a_stalled_service_holds_its_requests_and_decides_each_one_when_it_resumes(make_stack) -> None:  # noqa: ANN001
+    """Envoy 1.40 fails a message timeout or a reset stream like an unreachable service: a stall
+    longer than those timeouts once forwarded every request it was holding, ungated. Parked ones
+    and ones that arrive during the stall are all decided by the service after it."""
+    stack = make_stack({"VLLM_MAX_QUEUE_DEPTH": "16"})
+    stack.pin(running=4, waiting=1)
+    stack.wait_gate(False)
+    with ThreadPoolExecutor(8) as pool:
+        parked = [pool.submit(post, stack.url + URL, chat_body(f"p{i}", max_tokens=2), {"x-request-id": f"p{i}"}, 60)
+                  for i in range(4)]
+        stack.wait_state(lambda s: s["queue_depth"] == 4, "four parked requests")
+
+        assert stack.local.extproc is not None and stack.local.extproc.process is not None
+        pid = stack.local.extproc.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # The whole stop lasts STALL_SECONDS from here, however long the arrivals take on a busy
+            # machine: well inside the 15 s Envoy now allows, well past the 1 s and 5 s it allowed.
+            end = time.monotonic() + STALL_SECONDS
+            arriving = [pool.submit(post, stack.url + URL, chat_body(f"n{i}", max_tokens=2), {"x-request-id": f"n{i}"},
+                                    60) for i in range(4)]
+            seen: list[str] = []
+            held = 0
+            while time.monotonic() < end:  # the stall itself; nothing may reach the engine during it
+                held = max(held, stack.envoy_stat("^http\\.inference\\.downstream_rq_active$"))
+                seen = stack.arrivals()
+                if seen:
+                    break
+                time.sleep(0.2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert seen == []
+        assert held == 8  # Envoy held the four parked and the four arriving requests during the stall
+        # The service resumes and decides all eight: the gate is closed, so all eight park.
+        stack.wait_state(lambda s: s["queue_depth"] == 8, "all eight requests parked by the service", timeout=30)
+        assert stack.arrivals() == []
+        stack.pin(running=0, waiting=0)  # the engine has room: the gate admits them, in order
+        replies = [f.result(timeout=60) for f in parked + arriving]
+    assert [r.status for r in replies] == [200] * 8
+    assert sorted(stack.arrivals()) == sorted([f"p{i}" for i in range(4)] + [f"n{i}" for i in range(4)])
+    assert stack.metric("admission_admitted_total", via="admitted_fail_open") == 0
+    assert stack.envoy_stat("ext_proc\\.streams_started$") >= 8  # the counters below are Envoy's, and counting
+    assert stack.envoy_stat("ext_proc\\.failure_mode_allowed$") == 0
+    assert stack.envoy_stat("ext_proc\\.message_timeouts$") == 0
+    print(f"\nservice stopped {STALL_SECONDS:g} s with 4 parked and 4 arriving requests: {len(seen)} reached the "
+          f"engine during the stall; afterwards all 8 parked by the service, then admitted: "
+          f"{[r.status for r in replies]}")

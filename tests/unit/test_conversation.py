@@ -20,6 +20,7 @@ from google.protobuf import duration_pb2
 
 from extproc.admission import Admission
 from extproc.bodyscan import scan_body
+from extproc.contract import SERVICE_STALL_SECONDS
 from extproc.metrics import Metrics
 from extproc.outcomes import Outcome
 from extproc.servicer import ExternalProcessor
@@ -231,6 +232,26 @@ def test_a_parked_request_is_admitted_when_a_slot_frees() -> None:
                            outcome=outcome) == 1
 
     _run(scenario, PARK_ENV)
+
+
+def test_a_short_park_cap_still_parks_for_as_long_as_a_service_stall_is_allowed() -> None:
+    """The park override is never below Envoy's message_timeout (SERVICE_STALL_SECONDS): with a
+    1 s park cap it is 15 s, not 6 s, so a parked request survives a stall of the service."""
+    async def scenario(admission: Admission, metrics: Metrics, servicer: ExternalProcessor) -> None:
+        holder = await admission.arrive("default", "m")
+        stream = CannedStream()
+        task = _serve(servicer, stream)
+        body = chat_body()
+        assert await stream.exchange(chat_headers(body)) == BUFFER_BODY
+        assert await stream.exchange(body_message(body)) == pb.ProcessingResponse(
+            override_message_timeout=duration_pb2.Duration(seconds=int(SERVICE_STALL_SECONDS)))
+        await admission.finish("default", holder.ticket)
+        assert await stream.answer() == admitted()
+        stream.end()
+        await asyncio.wait_for(task, 5)
+        assert _idle(admission)
+
+    _run(scenario, {**PARK_ENV, "ADMISSION_MAX_PARK_SECONDS": "1"})
 
 
 def test_a_message_while_parked_is_not_answered_and_the_park_goes_on() -> None:
