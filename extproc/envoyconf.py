@@ -152,6 +152,13 @@ DEFAULT_TTFT_ALLOWANCE_SECONDS = 600
 INFERENCE_STAT_PREFIX = "inference"
 #: Admin paths the optional health listener forwards: what the kubelet's probes and Prometheus need.
 HEALTH_PATHS = ("/ready", "/stats/prometheus")
+#: Envoy closes an idle connection to an engine after this long: before vLLM does (its API server
+#: closes idle keep-alive connections after 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a request is
+#: never written onto a connection the engine is closing (2 s to spare for a busy machine; on vLLM
+#: 0.32 without it, two parked requests released together after an idle spell got 503
+#: `connection_termination`). A close that still races a request is retried once
+#: (`reset-before-request`: the engine never saw it).
+ENGINE_IDLE_TIMEOUT_SECONDS = 3
 #: Envoy's container memory limit when none is given (the chart's default envoy.resources.limits.memory).
 DEFAULT_ENVOY_MEMORY_LIMIT_BYTES = 512 * 1024 * 1024
 #: The overload manager's heap cap, in percent of the memory limit.
@@ -227,8 +234,9 @@ def _extproc_transport_socket(tls: ExtprocTls, host: str) -> dict[str, Any]:
 
 
 def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int, connect_timeout: str,
-             max_connections: int | None = None) -> dict[str, Any]:
-    """A cluster of one endpoint: STATIC for an IP address (v4 or v6), else STRICT_DNS."""
+             max_connections: int | None = None, idle_timeout: float | None = None) -> dict[str, Any]:
+    """A cluster of one endpoint: STATIC for an IP address (v4 or v6), else STRICT_DNS. `idle_timeout`:
+    Envoy closes a pooled HTTP/1.1 connection idle that long (an engine's cluster: before the engine does)."""
     connections = max_connections or max_requests
     cluster: dict[str, Any] = {
         "name": name,
@@ -266,6 +274,14 @@ def _cluster(name: str, host: str, port: int, *, http2: bool, max_requests: int,
                                                  "timeout": _seconds(SERVICE_STALL_SECONDS)},
                     }
                 },
+            }
+        }
+    elif idle_timeout is not None:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "common_http_protocol_options": {"idle_timeout": _seconds(idle_timeout)},
+                "explicit_http_config": {"http_protocol_options": {}},
             }
         }
     return cluster
@@ -656,7 +672,10 @@ def build_envoy_config(
         "local_reply_config": _local_reply_config(settings),
         "route_config": {
             "name": "engines",
-            "virtual_hosts": [{"name": "engines", "domains": ["*"], "routes": routes}],
+            "virtual_hosts": [{"name": "engines", "domains": ["*"], "routes": routes,
+                               # an engine connection closed under a request not yet written: send it
+                               # once more on a new connection (see ENGINE_IDLE_TIMEOUT_SECONDS)
+                               "retry_policy": {"retry_on": "reset-before-request", "num_retries": 1}}],
         },
         "http_filters": [*filters, _ROUTER],
     }
@@ -672,10 +691,12 @@ def build_envoy_config(
     for e in engines:
         bound = engine_bound(settings, e) if bound_engines else settings.max_streams
         clusters.append(_cluster(e.cluster, e.upstream_host, e.upstream_port, http2=False, max_requests=bound,
+                                 idle_timeout=ENGINE_IDLE_TIMEOUT_SECONDS,
                                  max_connections=settings.max_streams, connect_timeout="5s"))
     if bound_engines:
         first = engines[0]
         clusters.append(_cluster(first.cluster + UNGATED_CLUSTER_SUFFIX, first.upstream_host, first.upstream_port,
+                                 idle_timeout=ENGINE_IDLE_TIMEOUT_SECONDS,
                                  http2=False, max_requests=settings.max_streams, connect_timeout="5s"))
     listeners: list[dict[str, Any]] = [
         {

@@ -605,3 +605,19 @@ def test_the_cli_refuses_what_it_cannot_generate_with_exit_2(flags: list[str], m
 
     assert main(["envoy-config", *flags], environ=LOCAL_ENV) == 2
     assert message in capsys.readouterr().err
+
+
+def test_envoy_closes_idle_engine_connections_before_vllm_does_and_retries_a_request_a_close_raced() -> None:
+    from extproc.envoyconf import ENGINE_IDLE_TIMEOUT_SECONDS
+
+    doc = build_envoy_config(load_settings(LOCAL_ENV))
+    engine_clusters = [c for c in doc["static_resources"]["clusters"] if c["name"] != "extproc"]
+    assert engine_clusters
+    # vLLM's API server closes an idle keep-alive connection after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+    assert ENGINE_IDLE_TIMEOUT_SECONDS < 5
+    for cluster in engine_clusters:
+        options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert options["common_http_protocol_options"]["idle_timeout"] == f"{ENGINE_IDLE_TIMEOUT_SECONDS}s"
+        assert "http_protocol_options" in options["explicit_http_config"]  # still HTTP/1.1 to the engine
+    (vhost,) = _hcm(doc)["route_config"]["virtual_hosts"]
+    assert vhost["retry_policy"] == {"retry_on": "reset-before-request", "num_retries": 1}
