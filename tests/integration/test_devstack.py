@@ -49,7 +49,8 @@ def test_a_fixed_port_that_is_taken_fails_with_the_reason(tmp_path: Path) -> Non
 
 def _devstack_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], dict[str, int]]:
     ports = {var: free_port() for _, var, _, _ in PORT_VARIABLES}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ADMISSION_", "EXTPROC_", "ENGINE_", "DEVSTACK_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ADMISSION_", "EXTPROC_", "ENGINE", "DEVSTACK_"))}
     env.update({var: str(port) for var, port in ports.items()})
     env.update(extra)
     return env, ports
@@ -127,3 +128,11 @@ def test_ctrl_c_answers_a_parked_request_503_shutting_down(tmp_path: Path) -> No
     assert reply.status == 503, reply.body
     assert reply.headers["x-admission-outcome"] == "shutting_down"
     assert busy_ports(ports) == []  # every child is gone
+
+
+def test_an_unknown_engine_kind_is_named_before_anything_starts(tmp_path: Path) -> None:
+    env, _ = _devstack_env(tmp_path, ENGINE="vllm-gpu")
+    proc = _run_devstack(tmp_path, env)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("devstack: ENGINE='vllm-gpu': must be sim (the embedded simulator) or vllm")
+    assert proc.stdout == ""

@@ -1,0 +1,5 @@
+"""`python -m realengine [PORT]`."""
+
+from realengine import main
+
+raise SystemExit(main())
