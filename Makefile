@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps run test unit lint generate clean help
+.PHONY: setup system-deps run test unit lint generate docs clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
@@ -15,7 +15,9 @@ help:
 	@echo "make unit          run only the fast unit tests"
 	@echo "make lint          ruff and mypy (mypy strict on the service package); make test runs it first"
 	@echo "make generate      rewrite every generated file: envoy/envoy.yaml, the dashboard and the chart's"
-	@echo "                   copies, the ext_proc stubs in extproc/_proto (a test fails when one is stale)"
+	@echo "                   copies, the ext_proc stubs in extproc/_proto, the docs' settings page"
+	@echo "                   (a test fails when one is stale)"
+	@echo "make docs          build the docs site into site/ (mkdocs --strict: a broken link fails; make test checks it too)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,5 +46,8 @@ unit: $(STAMP)
 generate: $(STAMP)
 	$(PY) scripts/generate.py
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) run .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) run site .pytest_cache .hypothesis *.egg-info
