@@ -3,7 +3,7 @@
 # running as an unprivileged user, with nothing in it but Python, the service's wheel and the
 # wheels it depends on. The Helm chart's default `image` is this image as published by
 # .github/workflows/image.yml; build it yourself with `make image` (docker, podman or buildah,
-# whichever is present; README "Container image"), or by hand:
+# whichever is present; docs/deployment/image.md), or by hand:
 #   docker build -t llm-admission:0.1.0 .
 #   buildah bud --pull=never --build-arg PYTHON_IMAGE=<a local base> -t llm-admission:0.1.0 .
 # Envoy runs from its own image (envoyproxy/envoy) next to it.

@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps vllm-env run test unit lint generate image image-smoke clean help
+.PHONY: setup system-deps vllm-env run test unit lint generate docs image image-smoke clean help
 
 help:
 	@echo "make run           run simulator (or ENGINE_URL) + extproc + Envoy on :8080 (Ctrl-C stops all)"
@@ -16,7 +16,9 @@ help:
 	@echo "make unit          run only the fast unit tests"
 	@echo "make lint          ruff and mypy (mypy strict on the service package); make test runs it first"
 	@echo "make generate      rewrite every generated file: envoy/envoy.yaml, the dashboard and the chart's"
-	@echo "                   copies, the ext_proc stubs in extproc/_proto (a test fails when one is stale)"
+	@echo "                   copies, the ext_proc stubs in extproc/_proto, the docs' settings page"
+	@echo "                   (a test fails when one is stale)"
+	@echo "make docs          build the docs site into site/ (mkdocs --strict: a broken link fails; make test checks it too)"
 	@echo "make image         build the service's image with docker, podman or buildah (IMAGE_BUILDER picks;"
 	@echo "                   PYTHON_IMAGE=<local base> IMAGE_PULL=never builds without a registry)"
 	@echo "make image-smoke   check-config and check against the simulator inside the image (skips without a builder)"
@@ -52,6 +54,9 @@ unit: $(STAMP)
 generate: $(STAMP)
 	$(PY) scripts/generate.py
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 image:
 	bash scripts/image.sh build
 
@@ -59,4 +64,4 @@ image-smoke: $(STAMP)
 	bash scripts/image-smoke.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm .cache run .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .venv-vllm .cache run site .pytest_cache .hypothesis *.egg-info

@@ -8,7 +8,7 @@ Writes `dashboards/llm-admission.json` and the chart's copies, `helm/llm-admissi
 `llm-admission.json` and `llm-admission.rules.yml` (Helm can only read files inside the chart;
 the rules' source is `alerts/llm-admission.rules.yml`).
 
-Series come from two places: the admission service's /metrics (README "Metrics"; label `engine`
+Series come from two places: the admission service's /metrics (docs/metrics.md; label `engine`
 is the engine's name in the service's config) and vLLM's own /metrics (`vllm:*`, label
 `model_name`; vLLM's `engine` label is a data-parallel rank, unrelated). Nothing maps an engine
 name to its models in PromQL, so the gateway's view and vLLM's own series sit side by side in

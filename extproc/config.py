@@ -7,7 +7,7 @@ Engines come from one of two places:
 - environment only: one engine called `default` at `ENGINE_URL`, serving the models listed in
   `ADMISSION_OBSERVE_MODELS` (unset or empty = no model is gated, everything passes through);
 - `EXTPROC_CONFIG=path.yaml`: a list of engines, each with its URL, its models and optional
-  per-engine overrides of the admission limits (see README "Configuration").
+  per-engine overrides of the admission limits (see docs/configuration/settings.md).
 Either way each engine has a metrics `dialect` (extproc/dialects.py: vllm, sglang, trtllm, or auto
 to detect it from the first exposition): `ADMISSION_ENGINE_DIALECT`, or an engine entry's `dialect`.
 

@@ -9,11 +9,12 @@ The engines file's keys are the per-engine rows' `engine_key`s. `extproc --help`
 this table. Tests hold the other places to it: `tests/unit/test_settings_table.py` checks that
 config.py reads exactly these variables, that each literal default is what `load_settings` does
 when the variable is unset, that every bound and choice is enforced (in the environment and in an
-engines file), and that the README's configuration table lists each one with its allowed values;
+engines file), and that the docs' configuration reference (docs/configuration/settings.md, rendered
+from this table by `make generate`) lists each one with its allowed values;
 `tests/helm/test_chart_settings.py` checks that the chart's admission container sets each one the
 chart is said to set and that values.schema.json allows what the row allows. A new setting is one
-row here, one call in `config.py` (plus its `Settings` field), a README row and, if the chart
-passes it, a values key with its schema; the tests name whichever is missing.
+row here, one call in `config.py` (plus its `Settings` field), `make generate` for the docs page and,
+if the chart passes it, a values key with its schema; the tests name whichever is missing.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ADMISSION_KV_CAPACITY_TOKENS", "KV capacity when the engine's metrics show none",
             chart="admission.kvCapacityTokens", kind="int", bounds=_POSITIVE, engine_key="kv_capacity_tokens"),
     Setting("ADMISSION_ESTIMATE",
-            "prompt token estimate: counted = tokenizer, engine /tokenize, learned bytes rule; bytes = before issue 11",
+            "prompt token estimate: counted = tokenizer, engine /tokenize, learned bytes rule; "
+            "bytes = text bytes / ADMISSION_BYTES_PER_TOKEN (no template, tools or n)",
             "counted",
             chart="admission.estimate.mode", kind="choice", choices=("counted", "bytes")),
     Setting("ADMISSION_TOKENIZER",

@@ -8,7 +8,9 @@ The artefacts, each with its one source:
   settings (one model, `sim-model`); the chart's Envoy pods generate theirs at start instead;
 - `dashboards/llm-admission.json` and the chart's copies in `helm/llm-admission/files/`
   (the dashboard and `alerts/llm-admission.rules.yml`), from `dashboards.generate`;
-- `extproc/_proto/`: the ext_proc stubs compiled from `proto/` by `scripts/generate_protos.py`.
+- `extproc/_proto/`: the ext_proc stubs compiled from `proto/` by `scripts/generate_protos.py`;
+- `docs/configuration/settings.md`: the docs' configuration reference, from
+  `extproc/settings_table.py` by `scripts/settings_page.py`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def dashboards() -> dict[Path, bytes]:
     return {path: text.encode() for path, text in generate.outputs().items()}
 
 
+def docs() -> dict[Path, bytes]:
+    import settings_page
+
+    return settings_page.outputs()
+
+
 def protos() -> dict[Path, bytes]:
     import generate_protos
 
@@ -56,6 +64,7 @@ ARTEFACTS: dict[str, tuple[Callable[[], dict[Path, bytes]], Path | None]] = {
     "envoy": (envoy, None),
     "dashboards": (dashboards, None),
     "protos": (protos, PROTO_OUT),
+    "docs": (docs, None),
 }
 
 

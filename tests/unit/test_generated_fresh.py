@@ -1,7 +1,8 @@
 """Every generated file in the repository is what its generator makes now (`make generate`).
 
-The one freshness check for the Envoy config, the dashboard and the chart's copies, and the
-ext_proc stubs: scripts/generate.py runs each generator in memory and compares byte for byte.
+The one freshness check for the Envoy config, the dashboard and the chart's copies, the
+ext_proc stubs and the docs' configuration reference: scripts/generate.py runs each generator in
+memory and compares byte for byte.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _generate_module() -> ModuleType:
 
 def test_every_generated_file_is_fresh() -> None:
     generate = _generate_module()
-    assert set(generate.ARTEFACTS) == {"envoy", "dashboards", "protos"}
+    assert set(generate.ARTEFACTS) == {"envoy", "dashboards", "protos", "docs"}
     stale = generate.stale()
     assert not stale, "generated files are stale; run `make generate`:\n" + "\n".join(stale)
 

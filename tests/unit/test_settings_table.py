@@ -1,12 +1,15 @@
 """The settings table (extproc/settings_table.py) against the places a setting is written down:
 the variables config.py reads, what load_settings does when one is unset, the bounds, choices and
-engines-file keys it enforces, the README's configuration table and `extproc --help`. The chart:
+engines-file keys it enforces, the docs' configuration reference (docs/configuration/settings.md,
+generated from the table by scripts/settings_page.py; tests/unit/test_generated_fresh.py holds it
+fresh), the engines-file example in the docs and `extproc --help`. The chart:
 tests/helm/test_chart_settings.py."""
 
 from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ from extproc.config import ConfigError, load_settings
 from extproc.settings_table import BY_ENV, SETTINGS, Setting
 
 ROOT = Path(__file__).resolve().parents[2]
+SETTINGS_PAGE = ROOT / "docs" / "configuration" / "settings.md"
+ENGINES_PAGE = ROOT / "docs" / "configuration" / "engines-file.md"
 ENV_NAME = re.compile(r'"((?:ADMISSION|EXTPROC|ENGINE|VLLM|MAX)_[A-Z_]+)"')
 
 
@@ -33,16 +38,17 @@ def test_setting_a_variable_to_its_documented_default_changes_nothing(setting) -
     assert load_settings({setting.env: setting.default}) == load_settings({})  # every field, not only the summary's
 
 
-def test_the_readme_configuration_table_lists_every_setting_with_its_default() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Configuration"):]
-    section = section[:section.index("\n## ", 1)]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
+def _settings_page_rows() -> list[str]:
+    return [line for line in SETTINGS_PAGE.read_text().splitlines() if line.startswith("| `")]
+
+
+def test_the_docs_configuration_table_lists_every_setting_with_its_default() -> None:
+    rows = _settings_page_rows()
     named = {name for r in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", r.split("|")[1])}
-    assert named - set(BY_ENV) == set(), "README documents variables the service does not read"
+    assert named - set(BY_ENV) == set(), "the docs document variables the service does not read"
     for s in SETTINGS:
         row = next((r for r in rows if f"`{s.env}`" in r.split("|")[1]), None)
-        assert row is not None, f"{s.env} has no row in README's configuration table"
+        assert row is not None, f"{s.env} has no row in docs/configuration/settings.md (run: make generate)"
         if s.literal and s.default is not None:
             assert f"`{s.default}`" in row or s.default in row.split("|")[2], (s.env, s.default, row)
 
@@ -164,11 +170,8 @@ def test_an_engines_file_entry_holds_the_same_bounds(setting: Setting, value: st
         _refused(env, f"engines[a].{key}", parsed, setting)
 
 
-def test_the_readme_shows_what_each_typed_setting_accepts_and_its_engines_file_keys() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Configuration"):]
-    section = section[:section.index("\n## ", 1)]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
+def test_the_docs_show_what_each_typed_setting_accepts_and_its_engines_file_keys() -> None:
+    rows = _settings_page_rows()
     for s in SETTINGS:
         if s.kind in ("int", "float", "choice"):
             row = next(r for r in rows if f"`{s.env}`" in r.split("|")[1])
@@ -176,7 +179,8 @@ def test_the_readme_shows_what_each_typed_setting_accepts_and_its_engines_file_k
         if s.engine_key is not None:
             row = next(r for r in rows if f"`{s.env}`" in r.split("|")[1])
             assert f"per engine: `{s.engine_key}`" in row, (s.env, row)
-    example = yaml.safe_load(section[section.index("```yaml") + len("```yaml"):].split("```")[0])
+    page = ENGINES_PAGE.read_text()
+    example = yaml.safe_load(page[page.index("```yaml") + len("```yaml"):].split("```")[0])
     assert {key for entry in example["engines"] for key in entry} == {"name", *(s.engine_key for s in PER_ENGINE)}
 
 
@@ -186,3 +190,13 @@ def test_help_shows_what_each_setting_accepts_and_where_an_engine_may_set_it() -
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(s.env + " "))
         assert s.allowed is None or f"; {s.allowed}" in line, line
         assert (f"; per engine: {s.engine_key} " in line) == (s.engine_key is not None), line
+
+
+def test_the_docs_page_notes_and_accepts_name_only_real_settings() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import settings_page
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert set(settings_page.NOTES) - set(BY_ENV) == set(), "a note for a variable the service does not read"
+    assert set(settings_page.ACCEPTS) - set(BY_ENV) == set(), "accepts text for a variable the service does not read"
