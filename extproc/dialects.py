@@ -178,11 +178,14 @@ CHOICES: tuple[str, ...] = (*DIALECTS, AUTO)
 
 
 _RUNNING_SAMPLE = {d.name: re.compile(rf"^{re.escape(d.running)}[{{ ]", re.MULTILINE) for d in DIALECTS.values()}
+_RUNNING_DECLARED = {d.name: re.compile(rf"^# TYPE {re.escape(d.running)} ", re.MULTILINE) for d in DIALECTS.values()}
 
 
 def detect(text: str) -> Dialect | None:
-    """The dialect whose running-requests samples the exposition carries, or None."""
-    for dialect in DIALECTS.values():
-        if _RUNNING_SAMPLE[dialect.name].search(text):
-            return dialect
+    """The dialect whose running-requests samples the exposition carries, or None; failing that, the
+    one that declares them without a sample yet (vLLM with data parallelism before any rank has served)."""
+    for patterns in (_RUNNING_SAMPLE, _RUNNING_DECLARED):
+        for dialect in DIALECTS.values():
+            if patterns[dialect.name].search(text):
+                return dialect
     return None

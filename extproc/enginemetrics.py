@@ -86,9 +86,12 @@ def parse_engine_metrics(text: str, *, dialect: Dialect = VLLM, expect_capacity:
     info_block_size: int | None = None
     info_seen = False
     counters: dict[str, float] = {}
+    declared: set[str] = set()  # gauge families the document declares (# TYPE), samples or not
     rank_label = d.rank_label or ""
     try:
         for family in text_string_to_metric_families(kept + "\n" if kept else ""):
+            if family.name in values:
+                declared.add(family.name)
             for sample in family.samples:
                 name = sample.name
                 if name in values:
@@ -118,6 +121,13 @@ def parse_engine_metrics(text: str, *, dialect: Dialect = VLLM, expect_capacity:
         kv = d.kv_usage_fallback
     required = (d.running, d.waiting, kv)
     missing = [name for name in required if not values[name]]
+    if len(missing) == len(required) and declared >= set(required) and info_seen:
+        # vLLM with data parallelism declares its gauges at start but writes a rank's samples only once
+        # that rank has served: an engine that shows its capacity and declares all three gauges with
+        # no sample has served nothing yet (a cut document cannot leave three declared families empty).
+        capacity, block_size = _capacity(d, info_seen, info_capacity, info_block_size, per_rank)
+        return EngineGauges(running=0, waiting=0, kv_usage=0.0, capacity_tokens=capacity, block_size=block_size,
+                            ranks=max(1, len(set(capacity_ranks))), dialect=d.name)
     if missing:
         raise MetricsFormatError(f"missing series: {', '.join(missing)}")
     for name in required:
@@ -134,7 +144,10 @@ def parse_engine_metrics(text: str, *, dialect: Dialect = VLLM, expect_capacity:
             raise MetricsFormatError(f"incomplete exposition: {name} ranks {sorted(ranks[name], key=str)} "
                                      f"differ from {d.running} ranks {rank_set}")
     capacity, block_size = _capacity(d, info_seen, info_capacity, info_block_size, per_rank)
-    if capacity_ranks and sorted(capacity_ranks) != rank_set:
+    # Every rank with gauges must show its capacity (a document cut inside the capacity family loses
+    # ranks there). A rank that shows its capacity but no gauge has not served yet (vLLM writes a
+    # rank's gauges at its first request): it runs nothing, holds no KV, and counts as a rank.
+    if capacity_ranks and (len(set(capacity_ranks)) != len(capacity_ranks) or not set(rank_set) <= set(capacity_ranks)):
         raise MetricsFormatError(f"incomplete exposition: {', '.join(d.capacity_families)} ranks "
                                  f"{sorted(capacity_ranks)} differ from the gauges' ranks {rank_set}")
     if expect_capacity and capacity is None:
@@ -146,7 +159,7 @@ def parse_engine_metrics(text: str, *, dialect: Dialect = VLLM, expect_capacity:
         kv_usage=max(values[kv]),
         capacity_tokens=capacity,
         block_size=block_size,
-        ranks=len(values[d.running]),
+        ranks=max(len(values[d.running]), len(set(capacity_ranks))),
         prompt_tokens_total=counters.get(d.prompt_tokens or ""),
         generation_tokens_total=counters.get(d.generation_tokens or ""),
         generated_sum=counters.get(d.generated_sum or ""),

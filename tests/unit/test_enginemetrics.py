@@ -178,3 +178,54 @@ def test_the_engines_token_counters_are_summed_over_ranks_and_optional() -> None
     bare = parse_engine_metrics(base)
     assert (bare.prompt_tokens_total, bare.generation_tokens_total, bare.generated_sum, bare.generated_count) == (
         None, None, None, None)
+
+
+# --- vLLM with --data-parallel-size 2: gauges appear rank by rank, as each rank first serves --------
+
+_INFO = ('vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="1280"} 1.0\n'
+         'vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="1280"} 1.0\n')
+_DECLARED_ONLY = (
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    "# TYPE vllm:cache_config_info gauge\n" + _INFO
+)
+
+
+def test_a_data_parallel_engine_that_has_not_served_reads_idle_not_missing() -> None:
+    from extproc.dialects import detect
+
+    assert detect(_DECLARED_ONLY) is not None and detect(_DECLARED_ONLY).name == "vllm"
+    gauges = parse_engine_metrics(_DECLARED_ONLY)
+    assert (gauges.running, gauges.waiting, gauges.kv_usage, gauges.ranks) == (0, 0, 0.0, 2)
+    assert gauges.capacity_tokens == 1280 * 32
+
+
+def test_declared_gauges_without_samples_or_capacity_are_still_missing() -> None:
+    text = "".join(line for line in _DECLARED_ONLY.splitlines(keepends=True) if "cache_config" not in line)
+    with pytest.raises(MetricsFormatError, match="missing series"):
+        parse_engine_metrics(text)
+
+
+def test_a_rank_that_has_not_served_yet_counts_as_idle() -> None:
+    # Only rank 0 has served: its gauges exist, rank 1's do not, cache_config_info has both.
+    text = _DECLARED_ONLY.replace(
+        "# TYPE vllm:num_requests_running gauge\n",
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m",engine="0"} 2.0\n').replace(
+        "# TYPE vllm:num_requests_waiting gauge\n",
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m",engine="0"} 1.0\n').replace(
+        "# TYPE vllm:kv_cache_usage_perc gauge\n",
+        '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.5\n')
+    gauges = parse_engine_metrics(text, expect_capacity=True)
+    assert (gauges.running, gauges.waiting, gauges.kv_usage, gauges.ranks) == (2, 1, 0.5, 2)
+
+
+def test_a_rank_with_gauges_but_no_capacity_line_is_still_incomplete() -> None:
+    text = EXPOSITION.replace('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",'
+                              'num_gpu_blocks="9527"} 1.0\n', "")
+    with pytest.raises(MetricsFormatError, match="ranks"):
+        parse_engine_metrics(text)
