@@ -76,6 +76,17 @@ def _dialect(engine: EngineConfig, text: str, names: set[str]) -> Dialect | None
     return detect(text) or next((d for d in DIALECTS.values() if names & set(d.samples)), None)
 
 
+def engine_version(url: str, timeout: float) -> str | None:
+    """The exact version a vLLM API server states at `/version` beside its metrics (None: it says none)."""
+    base = url[: -len("/metrics")] if url.endswith("/metrics") else url
+    try:
+        with urllib.request.urlopen(f"{base}/version", timeout=timeout) as response:
+            version = json.loads(response.read()).get("version")
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) and version else None
+
+
 def _apparent_version(names: set[str]) -> str:
     """What the families present say about the vLLM version (vLLM exposes no version series)."""
     kv, legacy = VLLM.kv_usage, VLLM.kv_usage_fallback
@@ -195,6 +206,7 @@ def check_engine(settings: Settings, url: str, timeout: float) -> dict[str, Any]
         report["dialect"] = dialect.name if dialect else "unknown"
         report["dialect_from"] = "configured" if engine.dialect != AUTO else "detected"
         report["apparent_version"] = _apparent_version(names) if dialect is VLLM else None
+        report["version"] = engine_version(url, timeout) if dialect is VLLM else None
         report["series"] = _series(names, dialect or VLLM)
         if dialect is None:
             known = ", ".join(d.running for d in DIALECTS.values())
@@ -232,7 +244,8 @@ def render_text(reports: list[dict[str, Any]]) -> str:
         if r["reachable"]:
             out.append(f"  scrape: HTTP {r['http_status']}, {r['bytes']} bytes in {r['scrape_ms']} ms")
         if "dialect" in r:
-            version = f", apparent version {r['apparent_version']}" if r.get("apparent_version") else ""
+            version = (f", version {r['version']} (from /version)" if r.get("version") else
+                       f", apparent version {r['apparent_version']}" if r.get("apparent_version") else "")
             out.append(f"  dialect: {r['dialect']} ({r['dialect_from']}){version}")
             for s in r["series"]:
                 kind = "required" if s["required"] else "optional"

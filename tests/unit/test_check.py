@@ -132,11 +132,14 @@ async def test_an_unreachable_engine_exits_1(capsys: pytest.CaptureFixture[str])
 class _Document:
     """A fixed exposition on a loopback HTTP server, for dialects the simulator does not speak."""
 
-    def __init__(self, text: str) -> None:
-        body = text.encode()
+    def __init__(self, text: str, version: str | None = None) -> None:
+        exposition = text.encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
+                body = exposition
+                if self.path == "/version" and version is not None:  # as vLLM's API server answers it
+                    body = json.dumps({"version": version}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "text/plain; version=0.0.4")
                 self.send_header("content-length", str(len(body)))
@@ -160,8 +163,8 @@ class _Document:
 def document() -> Iterator[Callable[[str], _Document]]:
     served: list[_Document] = []
 
-    def serve(text: str) -> _Document:
-        served.append(_Document(text))
+    def serve(text: str, version: str | None = None) -> _Document:
+        served.append(_Document(text, version))
         return served[-1]
 
     yield serve
@@ -252,3 +255,19 @@ def test_a_bad_configuration_exits_2(capsys: pytest.CaptureFixture[str]) -> None
 ])
 def test_urls_name_the_engine_or_its_metrics(given: str, scraped: str) -> None:
     assert metrics_url(given) == scraped
+
+
+async def test_the_exact_version_is_read_from_the_engines_version_endpoint(
+        document: Callable[..., _Document], capsys: pytest.CaptureFixture[str]) -> None:
+    from .test_enginemetrics import EXPOSITION
+
+    served = document(EXPOSITION, version="0.32.0")
+    status, doc = await _check(capsys, served.url)
+    report = _one(doc)
+    assert status == 0 and report["version"] == "0.32.0"
+    status, out = await _check(capsys, served.url, json_out=False)
+    assert ", version 0.32.0 (from /version)" in out and "apparent version" not in out
+    # An engine that states no version: the families' reading, as before.
+    unversioned = document(EXPOSITION)
+    status, doc = await _check(capsys, unversioned.url)
+    assert _one(doc)["version"] is None and _one(doc)["apparent_version"]
