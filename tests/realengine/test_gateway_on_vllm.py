@@ -30,6 +30,7 @@ def test_check_reads_the_real_engines_gauges_and_capacity(vllm: realengine.VllmE
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (report,) = json.loads(proc.stdout)["engines"]
     assert report["dialect"] == "vllm"
+    assert report["version"] == "0.32.0"  # the engine's own /version, not a guess from its families
     assert all(s["found"] for s in report["series"]), report["series"]
     # --num-gpu-blocks-override 640 x --block-size 32, read from the engine's cache_config_info
     assert report["capacity_tokens"] == realengine.NUM_BLOCKS * realengine.BLOCK_SIZE == 20480
