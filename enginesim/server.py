@@ -432,7 +432,8 @@ class ControlApi:
       /metrics reports these values (on every engine rank) instead of the model's; a key
       set to null unpins that gauge, a missing key leaves it as it is.
     - ``POST /control/unpin``: clear every pin.
-    - ``POST /control/metrics_mode`` ``{"mode": MODE}``, a 200 document unless said otherwise:
+    - ``POST /control/metrics_mode`` ``{"mode": MODE, "delay_s": S}``, a 200 document unless said
+      otherwise, answered ``delay_s`` seconds late (default 0: a busy API server's slow /metrics):
       ``ok``; ``fail`` (HTTP 500); ``hang`` (no answer); ``garbage`` (not Prometheus text);
       ``missing`` (without the three scheduler gauges); ``truncated`` (cut two characters into
       the first ``vllm:kv_cache_usage_perc`` value, so ``0.97`` ends as ``0.``); ``half`` (the
@@ -504,7 +505,11 @@ class ControlApi:
         if mode not in METRICS_MODES:
             raise _bad(f"mode must be one of {list(METRICS_MODES)}, got {mode!r}")
         self.state["metrics_mode"] = mode
-        return _json({"mode": mode})
+        delay = body.get("delay_s", 0.0)
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 60:
+            raise _bad(f"delay_s must be a number of seconds in [0, 60], got {delay!r}")
+        self.state["metrics_delay_s"] = float(delay)
+        return _json({"mode": mode, "delay_s": float(delay)})
 
     async def hold(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -545,6 +550,7 @@ class ControlApi:
     async def reset(self, request: web.Request) -> web.Response:
         await self.engine.reset()
         self.state["metrics_mode"] = "ok"
+        self.state["metrics_delay_s"] = 0.0
         return _json({"reset": True})
 
 
@@ -560,6 +566,9 @@ class MetricsApi:
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         mode = self._app[STATE_KEY]["metrics_mode"]
+        delay = self._app[STATE_KEY].get("metrics_delay_s", 0.0)
+        if delay:
+            await asyncio.sleep(delay)  # the document is the state after the delay, as a busy server's is
         metrics = self._app[ENGINE_KEY].metrics
         if mode == "fail":
             return web.Response(status=500, text="Internal Server Error")

@@ -47,7 +47,7 @@ COMPLETION_RATE_WINDOW_SECONDS = 10.0
 #: What each poll failure reason means, as the status page names it.
 POLL_FAILURES: dict[str, str] = {
     "unreachable": "engine unreachable",
-    "timeout": "engine metrics not answering within the poll interval",
+    "timeout": "engine metrics not answering within the poll timeout",
     "http_status": "engine metrics endpoint answers an error",
     "unparsable": "engine metrics unparsable (observer degraded)",
 }

@@ -275,6 +275,6 @@ def render_text(reports: list[dict[str, Any]]) -> str:
 def run(settings: Settings, urls: list[str], *, as_json: bool, timeout: float | None = None) -> tuple[int, str]:
     """Check `urls` (default: every configured engine); the exit status and the text to print."""
     targets = urls or [e.metrics_url for e in settings.engines]
-    reports = [check_engine(settings, url, timeout or settings.poll_interval) for url in targets]
+    reports = [check_engine(settings, url, timeout or settings.poll_timeout) for url in targets]
     text = json.dumps({"engines": reports}, indent=2) + "\n" if as_json else render_text(reports)
     return (0 if all(r["ok"] for r in reports) else 1), text

@@ -171,7 +171,8 @@ def _envoy_config(args: argparse.Namespace, settings: Settings) -> int:
 CONFIGURATION_GROUPS: dict[str, tuple[str, ...]] = {
     "listen": ("grpc_listen", "admin_listen", "probe_listen", "max_body_bytes"),
     "paths": ("gated_paths", "pass_paths"),
-    "polling": ("poll_interval_s", "stale_after_polls", "scrape_grace_s", "models_refresh_s", "config_file"),
+    "polling": ("poll_interval_s", "poll_timeout_s", "stale_after_polls", "scrape_grace_s", "models_refresh_s",
+                "config_file"),
     "admission": ("gating", "local_accounting", "kv_budget", "backfill", "wait_estimates", "engine_queue_slots",
                   "retry_after_s", "generation_reservation", "generation_factor", "wait_prediction"),
     "estimate": ("estimate",),

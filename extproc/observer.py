@@ -1,8 +1,9 @@
 """Poll each engine's /metrics and feed the gates.
 
 One shared aiohttp session; one task per engine, polling on a fixed schedule. A poll that does
-not answer within the poll interval counts as failed, so a hung engine goes stale after
-`stale_after_polls` intervals just like an unreachable one. Plain text is requested (no
+not answer within the poll timeout (`ENGINE_POLL_TIMEOUT_SECONDS`, by default two poll intervals:
+a busy API server may answer after the interval) counts as failed, so a hung engine goes stale
+after `stale_after_polls` such polls just like an unreachable one. Plain text is requested (no
 OpenMetrics Accept header), as vLLM serves it.
 
 `observer_degraded` follows parsability: the first poll must yield all three gauges or the
@@ -66,7 +67,7 @@ class EngineObserver:
     async def start(self) -> None:
         """Start polling; returns once every engine's first poll has finished (either way)."""
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self._settings.poll_interval),
+            timeout=aiohttp.ClientTimeout(total=self._settings.poll_timeout),
             headers={"Accept": "text/plain"},
         )
         for engine in self._engines:
@@ -143,7 +144,7 @@ class EngineObserver:
         except _PollError as exc:
             return await self._failed(engine, exc.reason, exc.detail, first)
         except TimeoutError:
-            return await self._failed(engine, "timeout", f"no answer within {self._settings.poll_interval}s", first)
+            return await self._failed(engine, "timeout", f"no answer within {self._settings.poll_timeout:g}s", first)
         except aiohttp.ClientError as exc:
             return await self._failed(engine, "unreachable", str(exc) or type(exc).__name__, first)
         try:

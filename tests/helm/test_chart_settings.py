@@ -20,7 +20,7 @@ EVERYTHING: list[dict[str, Any]] = [
     {},
     {"shape": "shared"},
     {"ledger": {"backend": "redis", "redis": {"url": "redis://redis:6379/0"}}},
-    {"admission": {"kvCapacityTokens": 65536, "estimate": {"tokenizer": "qwen3"}}},
+    {"admission": {"kvCapacityTokens": 65536, "pollTimeoutSeconds": 6, "estimate": {"tokenizer": "qwen3"}}},
     {"shape": "shared", "extproc": {"tls": {"secretName": TLS_SECRET}}},
 ]
 

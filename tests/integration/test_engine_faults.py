@@ -2,7 +2,7 @@
 
 Each fault has one defined outcome:
 
-- a poll that fails (HTTP 500, no answer within the poll interval, garbage, a truncated or
+- a poll that fails (HTTP 500, no answer within the poll timeout, garbage, a truncated or
   incomplete document, NaN or out-of-range values) is counted in
   `engine_poll_failures_total{reason}` and the gate keeps the LAST GOOD state: a parked request
   stays parked, nothing is decided on the broken document;
@@ -137,3 +137,20 @@ def test_a_document_that_loses_cache_config_info_keeps_the_budget(make_stack: Ca
     wait_until(lambda: failures(stack, "unparsable") >= 2, 10, "two failed polls counted as unparsable")
     state = stack.engine_state()
     assert state["snapshot"]["capacity_tokens"] == capacity, state
+
+
+def test_a_slow_but_answering_metrics_endpoint_is_not_a_failed_poll(make_stack: Callable[..., Stack]) -> None:
+    # A busy vLLM API server answers /metrics after the poll interval (17 times in one run on the
+    # real CPU engine); a poll that waits for it keeps the gate fresh instead of failing it open.
+    stack = make_stack({"ENGINE_POLL_INTERVAL_SECONDS": "0.5", "ENGINE_POLL_TIMEOUT_SECONDS": "4",
+                        "ENGINE_STALE_AFTER_POLLS": "2"})
+    stack.pin(kv_usage=0.97)  # closed: a stale engine would fail open and admit
+    stack.wait_gate(False)
+    stack.sim("/control/metrics_mode", {"mode": "ok", "delay_s": 1.0})  # twice the interval, a quarter the timeout
+    polls = stack.metric("engine_poll_duration_seconds_count", engine="default")
+    wait_until(lambda: stack.metric("engine_poll_duration_seconds_count", engine="default") >= polls + 4, 60,
+               "four slow polls")
+    assert failures(stack, "timeout") == 0
+    state = stack.engine_state()
+    assert (state["state"], state["gate_open"]) == ("fresh", False), state
+    assert stack.metric("engine_state_stale_total", engine="default") == 0

@@ -425,6 +425,10 @@ env:
   value: {{ int64 $a.maxBodyBytes | quote }}
 - name: ENGINE_POLL_INTERVAL_SECONDS
   value: {{ $a.pollIntervalSeconds | toString | quote }}
+{{- if $a.pollTimeoutSeconds }}
+- name: ENGINE_POLL_TIMEOUT_SECONDS
+  value: {{ $a.pollTimeoutSeconds | toString | quote }}
+{{- end }}
 - name: ENGINE_STALE_AFTER_POLLS
   value: {{ int64 $a.staleAfterPolls | quote }}
 - name: ADMISSION_LOCAL_ACCOUNTING
