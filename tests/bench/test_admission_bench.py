@@ -29,7 +29,7 @@ FIELDS = (
 def run_bench(*args: str, scenario: str = "smoke") -> tuple[dict, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.admission", "--scenario", scenario, "--quiet", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,  # a bound on a hang, not on speed: a loaded machine takes minutes
+        cwd=ROOT, capture_output=True, text=True, timeout=600,  # bounds a hang, not speed: loaded, it takes minutes
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
