@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -104,27 +105,35 @@ def two_engine_env(tmp_path: Path, port_a: int, port_b: int, model_b: str) -> di
     return {"ADMISSION_OBSERVE_MODELS": "", "EXTPROC_CONFIG": str(config)}
 
 
+@contextlib.contextmanager
+def stopped_after(request: pytest.FixtureRequest) -> Iterator[list[LocalStack]]:
+    """The stacks a test starts (append them), stopped after it, their logs printed if it failed."""
+    started: list[LocalStack] = []
+    try:
+        yield started
+    finally:
+        failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+        for local in started:
+            if failed:
+                print(f"\n===== logs of {local.workdir.name} =====\n{local.logs()}")
+            local.stop()
+
+
 @pytest.fixture
 def make_stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Stack]]:
-    started: list[LocalStack] = []
+    with stopped_after(request) as started:
+        def make(env: dict[str, str] | None = None, sim_args: tuple[str, ...] = (), **kwargs: Any) -> Stack:
+            local = LocalStack(
+                workdir=tmp_path / f"stack{len(started)}",
+                sim_args=sim_args,
+                extproc_env={**FAST, **(env or {})},
+                **kwargs,
+            )
+            started.append(local)
+            local.start()
+            return Stack(local)
 
-    def make(env: dict[str, str] | None = None, sim_args: tuple[str, ...] = (), **kwargs: Any) -> Stack:
-        local = LocalStack(
-            workdir=tmp_path / f"stack{len(started)}",
-            sim_args=sim_args,
-            extproc_env={**FAST, **(env or {})},
-            **kwargs,
-        )
-        started.append(local)
-        local.start()
-        return Stack(local)
-
-    yield make
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for local in started:
-        if failed:
-            print(f"\n===== logs of {local.workdir.name} =====\n{local.logs()}")
-        local.stop()
+        yield make
 
 
 @pytest.fixture

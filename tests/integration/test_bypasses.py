@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -198,13 +199,18 @@ def _endpoint_request(path: str) -> tuple[bytes, str]:
     return json.dumps({"model": "sim-model", **doc}).encode(), "application/json"
 
 
-def test_every_default_gated_endpoint_is_gated_while_the_engine_is_full(make_stack) -> None:  # noqa: ANN001
-    stack = closed_stack(make_stack)
-    for path in DEFAULT_GATED_PATHS:
+def _assert_gated(stack: Stack, paths: Iterable[str]) -> None:
+    """Each path, on a full engine with no room to park, gets the gate's 503 queue_full + Retry-After."""
+    for path in paths:
         body, content_type = _endpoint_request(path)
         reply = post(stack.url + path, body, {"content-type": content_type})
         assert (path, reply.status, reply.headers.get("x-admission-outcome")) == (path, 503, "queue_full")
         assert "retry-after" in reply.headers
+
+
+def test_every_default_gated_endpoint_is_gated_while_the_engine_is_full(make_stack) -> None:  # noqa: ANN001
+    stack = closed_stack(make_stack)
+    _assert_gated(stack, DEFAULT_GATED_PATHS)
     for path in ("/v1/responses", "/v1/embeddings", "/invocations", "/pooling", "/score", "/v1/score", "/rerank",
                  "/v1/rerank", "/v2/rerank", "/classify", "/generate", "/v1/audio/transcriptions",
                  "/v1/audio/translations"):
@@ -326,7 +332,7 @@ def test_the_probe_listener_serves_probes_and_scrapes_but_not_the_debug_state(ma
     assert http_get(f"{stack.local.admin_url}/debug/engines")[0] == 200
 
 
-#: vLLM 0.33's engine routes the gate did not know before (DESIGN.md), and a route no release has yet.
+#: vLLM 0.33's engine routes the gate did not know before (docs/concepts/design.md), and a route no release has yet.
 NEW_ENGINE_ROUTES = ("/v1/chat/completions/batch", "/v1/decisions", "/v1/systemone", "/generative_scoring",
                      "/v2/embed", "/inference/v1/generate", "/v1/audio/translations", "/cohere/v2/chat",
                      "/v9/new-thing")
@@ -334,10 +340,7 @@ NEW_ENGINE_ROUTES = ("/v1/chat/completions/batch", "/v1/decisions", "/v1/systemo
 
 def test_every_vllm_engine_route_and_any_unknown_post_is_gated_while_the_engine_is_full(make_stack) -> None:  # noqa: ANN001
     stack = closed_stack(make_stack)
-    for path in NEW_ENGINE_ROUTES:
-        body, content_type = _endpoint_request(path)
-        reply = post(stack.url + path, body, {"content-type": content_type})
-        assert (path, reply.status, reply.headers.get("x-admission-outcome")) == (path, 503, "queue_full")
+    _assert_gated(stack, NEW_ENGINE_ROUTES)
     # An unknown POST without a model, or an admin POST without a body, is refused, not passed.
     no_model = post(stack.url + "/v9/new-thing", json.dumps({"prompt": "hi"}).encode())
     assert (no_model.status, no_model.headers.get("x-admission-outcome")) == (400, "missing_model")

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import realengine
 from devstack import LocalStack, http_get, wait_until
 
-from ..integration.conftest import Stack
+from ..integration.conftest import Stack, stopped_after
 
 pytestmark = [pytest.mark.integration, pytest.mark.realengine]
 
@@ -99,21 +99,15 @@ def engine(vllm: realengine.VllmEngine) -> Iterator[Engine]:
 @pytest.fixture
 def gateway(vllm: realengine.VllmEngine, tmp_path: Path,
             request: pytest.FixtureRequest) -> Iterator[Callable[..., Stack]]:
-    started: list[LocalStack] = []
+    with stopped_after(request) as started:
+        def make(env: dict[str, Any] | None = None) -> Stack:
+            local = LocalStack(workdir=tmp_path / f"gateway{len(started)}", engine_url=vllm.url,
+                               extproc_env={**GATEWAY_ENV, **(env or {})})
+            started.append(local)
+            local.start()
+            stack = Stack(local)
+            stack.wait_state(lambda s: (s.get("snapshot") or {}).get("capacity_tokens") is not None,
+                             "the first good poll of the engine", 30)
+            return stack
 
-    def make(env: dict[str, Any] | None = None) -> Stack:
-        local = LocalStack(workdir=tmp_path / f"gateway{len(started)}", engine_url=vllm.url,
-                           extproc_env={**GATEWAY_ENV, **(env or {})})
-        started.append(local)
-        local.start()
-        stack = Stack(local)
-        stack.wait_state(lambda s: (s.get("snapshot") or {}).get("capacity_tokens") is not None,
-                         "the first good poll of the engine", 30)
-        return stack
-
-    yield make
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for local in started:
-        if failed:
-            print(f"\n===== logs of {local.workdir.name} =====\n{local.logs()}")
-        local.stop()
+        yield make

@@ -6,8 +6,6 @@ itself, Envoy to the service and a client without a certificate: tests/integrati
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,8 @@ from extproc.config import ConfigError, TlsFiles, load_settings
 from extproc.envoyconf import ExtprocTls, build_envoy_config, render_envoy_config
 
 from ..certs import Pair, make_ca, make_cert, openssl_or_skip
+from .test_envoyconf import _validate
 
-ENVOY = str(Path(sys.executable).parent / "envoy")
 GATED = {"ADMISSION_OBSERVE_MODELS": "m"}
 
 
@@ -42,14 +40,6 @@ def _env(pki: dict[str, Pair], **override: str) -> dict[str, str]:
 def _extproc_cluster(doc: dict) -> dict:
     (cluster,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "extproc"]
     return cluster
-
-
-def _validate(text: str, tmp_path: Path) -> None:
-    path = tmp_path / "envoy.yaml"
-    path.write_text(text)
-    result = subprocess.run([ENVOY, "--mode", "validate", "-c", str(path), "--log-level", "error"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # --- the service's settings -------------------------------------------------------------------
