@@ -48,7 +48,9 @@ def failures(stack: Stack, reason: str) -> float:
 @pytest.mark.parametrize("mode", list(FAULTS))
 def test_a_failed_poll_keeps_the_last_good_state_then_fails_open_and_recovers(
         make_stack: Callable[..., Stack], mode: str) -> None:
-    stack = make_stack({"ENGINE_STALE_AFTER_POLLS": str(STALE_AFTER)})
+    # A hung /metrics fails each poll at the poll timeout: 0.5 s here, so that STALE_AFTER of them
+    # take seconds, not the half minute the suite's generous 2 s would.
+    stack = make_stack({"ENGINE_STALE_AFTER_POLLS": str(STALE_AFTER), "ENGINE_POLL_TIMEOUT_SECONDS": "0.5"})
     reason = FAULTS[mode]
     # The gate is closed by KV usage alone: 0.97 >= 0.9, and the truncated document reads `0.`.
     stack.pin(kv_usage=0.97)
@@ -70,7 +72,7 @@ def test_a_failed_poll_keeps_the_last_good_state_then_fails_open_and_recovers(
         assert stack.arrivals() == []
 
         # After STALE_AFTER failures in a row: stale, counted once, fail open.
-        stack.wait_state(lambda s: s["state"] == "stale", "the engine state to go stale", timeout=20)
+        stack.wait_state(lambda s: s["state"] == "stale", "the engine state to go stale", timeout=60)
         assert parked.result(timeout=30).status == 200
     assert stack.arrivals() == ["held"]
     assert stack.metric("engine_state_stale_total", engine="default") == 1

@@ -20,7 +20,7 @@ def test_broken_engine_metrics_go_stale_and_fail_open(stack: Stack, mode: str) -
         parked = pool.submit(post, stack.url + URL, chat_body(), {"x-request-id": "held"})
         stack.wait_state(lambda s: s["queue_depth"] == 1, "the request to park")
         stack.sim("/control/metrics_mode", {"mode": mode})
-        stack.wait_state(lambda s: s["state"] == "stale", "the engine state to go stale")
+        stack.wait_state(lambda s: s["state"] == "stale", "the engine state to go stale", timeout=40)
         assert parked.result(timeout=30).status == 200  # released fail-open
     reply = post(stack.url + URL, chat_body(), {"x-request-id": "new"})
     assert reply.status == 200
