@@ -462,6 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartError as exc:
         print(f"devstack: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the stack was up (e.g. while vLLM starts): stopped, quietly
+        print("devstack: interrupted while starting; everything started is stopped", file=sys.stderr, flush=True)
+        return 130
 
 
 def _main(argv: Sequence[str] | None, cleanup: contextlib.ExitStack) -> int:
