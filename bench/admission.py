@@ -38,6 +38,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -289,6 +290,12 @@ class VllmSampler(EngineSampler):
     baseline: float = 0.0  # the engine's preemption counter when the run began
     max_waiting: int = 0
     max_running: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)  # each good sample's read, monotonic clock
+
+    def samples_within(self, start: float, end: float) -> int:
+        """Good samples whose whole read fell within [start, end] (the load, on the monotonic clock
+        asyncio's loop.time() also reads)."""
+        return sum(1 for a, b in self.spans if start <= a and b <= end)
 
     def note_reading(self, reading: dict[str, Any]) -> None:
         self.note({"running": reading["running"], "waiting": reading["waiting"], "kv_usage": reading["kv_usage"],
@@ -299,7 +306,9 @@ class VllmSampler(EngineSampler):
     def sample_until(self, halt: threading.Event) -> None:
         while not halt.is_set():
             try:
+                begun = time.monotonic()
                 self.note_reading(read_vllm(self.url, timeout=10.0))
+                self.spans.append((begun, time.monotonic()))
             except (OSError, RuntimeError, ValueError):
                 self.failures += 1
             halt.wait(REAL_SAMPLE_INTERVAL_S)
@@ -1097,7 +1106,8 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         **({"engine_arrival_order": " ".join(r.spec.cls.name for r in arrived)}
            if engine_counters is None and len(arrived) <= 40 else {}),
         "engine_samples": sampler.samples,
-        **(real_engine_report(engine_counters, sampler, run["wall"], cfg) if engine_counters is not None else {}),
+        **(real_engine_report(engine_counters, sampler, run["t0"], run["wall"], cfg)
+           if engine_counters is not None else {}),
         "wall_s": round(run["wall"], 2),
         "settings": {
             "max_inflight": cfg.max_inflight, "kv_threshold": cfg.kv_threshold, "queue_depth": cfg.queue_depth,
@@ -1112,7 +1122,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
     return result
 
 
-def real_engine_report(counters: dict[str, Any], sampler: EngineSampler, wall: float,
+def real_engine_report(counters: dict[str, Any], sampler: EngineSampler, t0: float, wall: float,
                        cfg: BenchConfig) -> dict[str, Any]:
     """The real engine's own figures over the run (its counters' differences), wall seconds."""
     return {
@@ -1123,6 +1133,8 @@ def real_engine_report(counters: dict[str, Any], sampler: EngineSampler, wall: f
         "engine_generation_tokens_per_s": _r(counters["generation_tokens"] / wall, 1) if wall else None,
         "engine_finished": counters["finished"],
         "engine_sample_failures": sampler.failures,
+        # samples read wholly while the load ran (the peaks can only come from these)
+        "engine_samples_in_load": sampler.samples_within(t0, t0 + wall) if isinstance(sampler, VllmSampler) else None,
     }
 
 
@@ -1333,8 +1345,9 @@ def build_parser() -> argparse.ArgumentParser:
              "lognormal:MEAN[:SIGMA]; default: the scenario's, else max)")
     add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
     add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
-    add("--spacing", type=float, default=0.5,
-        help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
+    add("--spacing", type=float, default=None,
+        help="bursts: engine seconds between consecutive sends (fixes the arrival order; default: the "
+             "scenario's, 0.5; real-burst 0.05)")
     add("--concurrency", type=int, default=None,
         help="closed-loop scenarios (short): clients sending back to back (default: the scenario's, 8)")
     add("--count", type=int, default=None, help="closed-loop scenarios: requests in all (default: the scenario's)")
@@ -1410,6 +1423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits[name] = getattr(args, name)
     args.max_inflight, args.queue_depth, args.park_cap = (
         int(limits["max_inflight"]), int(limits["queue_depth"]), float(limits["park_cap"]))
+    if args.spacing is None:
+        args.spacing = SCENARIOS[args.scenario].spacing or LoadShape.spacing
     shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing, concurrency=args.concurrency,
                       count=args.count, deadline=args.deadline)
     if args.engine == "vllm-0.11" and (args.mode == "vllm-builtin"):

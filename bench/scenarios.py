@@ -124,6 +124,7 @@ class Scenario:
     # for the real vLLM (bench.admission --engine real / --engine-url): wall clock, prompts sized
     # on the engine's own tokenizer; the simulator's scenarios refuse it and these the simulator
     real: bool = False
+    spacing: float | None = None  # a burst's default spacing, engine seconds (None: LoadShape's 0.5)
 
 
 def prompt_content(spec: RequestSpec, seed: int, text: str = DEFAULT_TEXT,
@@ -235,8 +236,11 @@ SCENARIOS: dict[str, Scenario] = {
                  "random-weight model samples its end token (lengths vary; none reaches its limit by design)",
                  seed=41, build=_burst({"decode-eos": 10}), time_scale=1.0, real=True),
         Scenario("real-burst", "the seed's long-prompt burst on the real engine: 2 x 8k + 15 x 1k prompts "
-                 "(reference-65k scaled to 20,480 KV tokens; 33,216 tokens of need in all)",
-                 seed=65, build=_burst({"long": 2, "mid": 15}), time_scale=1.0, real=True),
+                 "(reference-65k scaled to 20,480 KV tokens; 33,216 tokens of need in all), 50 ms apart",
+                 # a 1k request takes ~0.2 s here: 0.5 s apart they would never meet
+                 # queue depth 16, as the simulator's bursts are measured: 17 requests, none turned away
+                 seed=65, build=_burst({"long": 2, "mid": 15}), time_scale=1.0, real=True, spacing=0.05,
+                 limits=(("queue_depth", 16),)),
         Scenario("real-overload", "RAG requests (4,000-token prompt, 64 generated) at ~1.5x what the real engine "
                  "prefills (Poisson, 6/s for 30 s); each client gives up after 20 s",
                  seed=33, build=_poisson("rag", 6.0, 30.0), time_scale=1.0, deadline=20.0,

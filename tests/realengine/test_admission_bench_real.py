@@ -26,6 +26,7 @@ FIELDS = (
     "max_engine_waiting", "max_engine_running", "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s",
     "throughput_rps", "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens", "per_request",
     "engine_counter_prompt_tokens", "engine_counter_generation_tokens", "engine_finished", "model",
+    "engine_samples_in_load",
 )
 #: Fields that have no meaning on a real engine: present and null (documented in bench/README.md).
 NULL_ON_REAL = ("held_s", "parked_while_free_s", "preempted_requests", "arrival_order_kept")
@@ -66,11 +67,14 @@ def test_real_short_report_is_complete_and_consistent(mode: str, vllm: realengin
     per_request = result["per_request"]
     assert [r["i"] for r in per_request] == list(range(REQUESTS))
     assert Counter(r["outcome"] for r in per_request) == {"completed": REQUESTS}
-    # the engine's gauges were sampled during the run and stay within its geometry
-    assert result["engine_samples"] >= 1
-    assert 1 <= result["peak_engine_running_plus_waiting"] <= REQUESTS
+    # the engine's gauges stay within its geometry; a sample read wholly during the load saw the
+    # requests (on a loaded machine one read of /metrics can outlast this short load)
+    assert result["engine_samples"] >= result["engine_samples_in_load"] >= 0
+    assert result["peak_engine_running_plus_waiting"] <= REQUESTS
     assert result["max_engine_running"] <= realengine.MAX_NUM_SEQS
-    assert 0 < result["peak_kv_usage"] <= 1
+    assert 0 <= result["peak_kv_usage"] <= 1
+    if result["engine_samples_in_load"]:
+        assert result["peak_engine_running_plus_waiting"] >= 1 and result["peak_kv_usage"] > 0
     assert result["makespan_s"] > 0 and result["throughput_rps"] > 0 and result["output_tokens_per_s"] > 0
     for key in ("ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
         assert set(result[key]) == {"chat", "all"}
