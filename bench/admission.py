@@ -30,12 +30,16 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import functools
 import json
 import math
 import signal
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,11 +55,15 @@ from extproc.config import DEFAULT_MAX_PARK_SECONDS
 from extproc.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 from .scenarios import CLASSES, SCENARIOS, LoadShape, RequestSpec, Scenario, build_requests, prompt_content
-from .text import DEFAULT_TEXT, TEXT_KINDS
+from .text import DEFAULT_TEXT, TEXT_KINDS, sized_content
 
 MODES = ("none", "vllm-builtin", "reference", "full")
 GATED_MODES = ("reference", "full")  # the modes with an admission service
 ENGINES = ("vllm-0.33", "vllm-0.11")  # the simulator's profiles (enginesim --profile)
+REAL_ENGINE = "real"  # --engine real / --engine-url: the real vLLM (CPU build, `realengine`), wall clock
+REAL_MODES = ("none", "reference", "full")  # vllm-builtin would need the engine started with its own flag
+REAL_SAMPLE_INTERVAL_S = 0.5  # wall seconds between /metrics samples of the real engine
+REAL_IDLE_TIMEOUT_S = 180.0  # wall seconds the real engine may take to drain before and after a run
 DEFAULT_TIME_SCALE = 20.0
 SAMPLE_INTERVAL_S = 0.02  # wall seconds between /control/state samples
 CLIENT_TIMEOUT_S = 900.0  # wall seconds; the openai client's per-request timeout
@@ -97,6 +105,13 @@ class BenchConfig:
     output_len: str | None = None  # enginesim --output-len (None: the scenario's, else max)
     # engine seconds after the first send from which `gateway_estimate_ratio_window` counts requests
     estimate_window_from: float = ESTIMATE_WINDOW_FROM_S
+    engine_url: str | None = None  # the real engine's address (--engine-url, or the one --engine real started)
+    model: str = SIM_MODEL  # the model the requests name (a real engine's: its /v1/models)
+
+    @property
+    def real(self) -> bool:
+        """A real vLLM (wall clock, no /control endpoints) rather than the simulator."""
+        return self.engine == REAL_ENGINE
 
     @property
     def builtin_queued_reqs(self) -> int:
@@ -140,7 +155,7 @@ class BenchConfig:
         """The admission service's environment for the gated modes (clocks scaled by 1/K)."""
         k = self.time_scale
         env = {
-            "ADMISSION_OBSERVE_MODELS": SIM_MODEL,
+            "ADMISSION_OBSERVE_MODELS": self.model,
             "ADMISSION_MAX_INFLIGHT": str(self.max_inflight),
             "ADMISSION_KV_THRESHOLD": f"{self.kv_threshold:g}",
             "VLLM_MAX_QUEUE_DEPTH": str(self.queue_depth),
@@ -171,6 +186,7 @@ class RequestRecord:
     outcome: str = "pending"  # completed, rejected, incomplete, gave_up (the client's deadline passed)
     reason: str | None = None
     retry_after: float | None = None  # a rejection's Retry-After, gateway seconds
+    prompt_tokens: int | None = None  # the engine's count, from the stream's usage (real engine only)
 
     @property
     def ttft(self) -> float | None:
@@ -207,6 +223,104 @@ class EngineSampler:
                 self.failures += 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+
+
+def vllm_readings(text: str) -> dict[str, Any]:
+    """What a real vLLM's /metrics says, summed over its ranks: the gauges sampled during a run
+    (running, waiting, KV usage as a fraction) and the counters differenced over it."""
+    out: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "preemptions": 0.0, "prompt_tokens": 0.0,
+                           "generation_tokens": 0.0, "finished": {}}
+    ranks_kv: list[float] = []
+    for name, labels, value in _metric_samples(text):
+        if name == "vllm:num_requests_running":
+            out["running"] += int(value)
+        elif name == "vllm:num_requests_waiting":
+            out["waiting"] += int(value)
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # a fraction, per rank
+            ranks_kv.append(value)
+        elif name == "vllm:num_preemptions_total":
+            out["preemptions"] += value
+        elif name == "vllm:prompt_tokens_total":
+            out["prompt_tokens"] += value
+        elif name == "vllm:generation_tokens_total":
+            out["generation_tokens"] += value
+        elif name == "vllm:request_success_total":
+            reason = labels.get("finished_reason", "?")
+            out["finished"][reason] = out["finished"].get(reason, 0.0) + value
+    out["kv_usage"] = max(ranks_kv, default=0.0)
+    return out
+
+
+def read_vllm(engine_url: str, timeout: float = 30.0) -> dict[str, Any]:
+    status, body = http_get(f"{engine_url}/metrics", timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"{engine_url}/metrics answered {status}")
+    return vllm_readings(body.decode())
+
+
+def wait_real_engine_idle(engine_url: str, timeout: float = REAL_IDLE_TIMEOUT_S) -> dict[str, Any]:
+    """Poll the real engine until it holds no request (running + waiting == 0); its readings then."""
+    readings: list[dict[str, Any]] = []
+
+    def idle() -> bool:
+        readings.append(read_vllm(engine_url))
+        return readings[-1]["running"] + readings[-1]["waiting"] == 0
+
+    wait_until(idle, timeout, f"the engine at {engine_url} idle", interval=0.5)
+    return readings[-1]
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The real engine's counters over a run (after - before)."""
+    reasons = sorted(set(after["finished"]) | set(before["finished"]))
+    finished = {r: int(after["finished"].get(r, 0.0) - before["finished"].get(r, 0.0)) for r in reasons}
+    return {"preemptions": int(after["preemptions"] - before["preemptions"]),
+            "prompt_tokens": int(after["prompt_tokens"] - before["prompt_tokens"]),
+            "generation_tokens": int(after["generation_tokens"] - before["generation_tokens"]),
+            "finished": {r: n for r, n in finished.items() if n}}
+
+
+@dataclass
+class VllmSampler(EngineSampler):
+    """Samples a real vLLM's /metrics (no /control endpoints there): peak running + waiting, the
+    largest waiting and running, peak KV usage; `last` in EngineSampler's shape for the progress
+    line (preemptions since `baseline`). In a thread of its own: the clients' event loop, parsing
+    thousands of streamed chunks a second on a machine the engine keeps busy, would delay it."""
+
+    baseline: float = 0.0  # the engine's preemption counter when the run began
+    max_waiting: int = 0
+    max_running: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)  # each good sample's read, monotonic clock
+
+    def samples_within(self, start: float, end: float) -> int:
+        """Good samples whose whole read fell within [start, end] (the load, on the monotonic clock
+        asyncio's loop.time() also reads)."""
+        return sum(1 for a, b in self.spans if start <= a and b <= end)
+
+    def note_reading(self, reading: dict[str, Any]) -> None:
+        self.note({"running": reading["running"], "waiting": reading["waiting"], "kv_usage": reading["kv_usage"],
+                   "num_preemptions": int(reading["preemptions"] - self.baseline)})
+        self.max_waiting = max(self.max_waiting, reading["waiting"])
+        self.max_running = max(self.max_running, reading["running"])
+
+    def sample_until(self, halt: threading.Event) -> None:
+        while not halt.is_set():
+            try:
+                begun = time.monotonic()
+                self.note_reading(read_vllm(self.url, timeout=10.0))
+                self.spans.append((begun, time.monotonic()))
+            except (OSError, RuntimeError, ValueError):
+                self.failures += 1
+            halt.wait(REAL_SAMPLE_INTERVAL_S)
+
+    async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        halt = threading.Event()
+        sampling = asyncio.create_task(asyncio.to_thread(self.sample_until, halt))
+        try:
+            await stop.wait()
+        finally:
+            halt.set()
+            await sampling
 
 
 # --- faults (shared ledger) ---------------------------------------------------------------------
@@ -292,8 +406,12 @@ class Deployment:
         sim_args = cfg.engine_args()
         # The reference gate had no bound on the engine cluster: reproduce it as it shipped.
         self._envoy_args = {"bound_engines": False} if cfg.mode == "reference" else {}
-        first = LocalStack(workdir / "replica0", sim_args=sim_args, extproc_env=env, with_extproc=gated,
-                           envoy_args=self._envoy_args)
+        if cfg.real:  # Envoy (+ service) in front of the engine already serving at cfg.engine_url
+            first = LocalStack(workdir / "replica0", engine_url=cfg.engine_url, extproc_env=env, with_extproc=gated,
+                               envoy_args=self._envoy_args)
+        else:
+            first = LocalStack(workdir / "replica0", sim_args=sim_args, extproc_env=env, with_extproc=gated,
+                               envoy_args=self._envoy_args)
         self.stacks = [first]
         self._first = first
         self._cfg = cfg
@@ -498,27 +616,36 @@ def _rejection_reason(exc: openai.APIStatusError) -> str:
     return f"http_{exc.status_code}"
 
 
-async def _send(client: openai.AsyncOpenAI, record: RequestRecord, content: str, deadline: float | None = None) -> None:
-    """One streamed request; with a `deadline` (wall seconds) the client gives up and disconnects."""
+async def _send(client: openai.AsyncOpenAI, record: RequestRecord, content: str, deadline: float | None = None,
+                model: str = SIM_MODEL, usage: bool = False) -> None:
+    """One streamed request; with a `deadline` (wall seconds) the client gives up and disconnects.
+    `usage`: ask for the stream's usage chunk (the real engine), whose counts then stand."""
     loop = asyncio.get_running_loop()
     record.sent = loop.time()
     try:
         async with asyncio.timeout(deadline):
-            await _stream(client, record, content)
+            await _stream(client, record, content, model, usage)
     except TimeoutError:
         record.finished = loop.time()
         record.outcome, record.reason = "gave_up", "deadline"
 
 
-async def _stream(client: openai.AsyncOpenAI, record: RequestRecord, content: str) -> None:
+async def _stream(client: openai.AsyncOpenAI, record: RequestRecord, content: str, model: str = SIM_MODEL,
+                  usage: bool = False) -> None:
     loop = asyncio.get_running_loop()
+    extra: dict[str, Any] = {}
+    if usage:
+        extra["stream_options"] = {"include_usage": True}
+    if record.spec.cls.ignore_eos:
+        extra["extra_body"] = {"ignore_eos": True}
     try:
         stream = await client.chat.completions.create(
-            model=SIM_MODEL,
+            model=model,
             messages=[{"role": "user", "content": content}],
             max_tokens=record.spec.max_tokens,
             stream=True,
             extra_headers={"x-request-id": f"bench-{record.spec.index}"},
+            **extra,
         )
         async with stream:
             async for chunk in stream:
@@ -528,6 +655,9 @@ async def _stream(client: openai.AsyncOpenAI, record: RequestRecord, content: st
                     record.tokens += 1
                 if chunk.choices and chunk.choices[0].finish_reason:
                     record.finish_reason = chunk.choices[0].finish_reason
+                if chunk.usage is not None:  # the engine's own counts (a token may stream no text)
+                    record.tokens = chunk.usage.completion_tokens
+                    record.prompt_tokens = chunk.usage.prompt_tokens
         record.finished = loop.time()
         # a sequence the model ended (EOS: `stop`, --output-len) is as complete as one at its limit
         if record.tokens == record.spec.max_tokens or record.finish_reason == "stop":
@@ -566,11 +696,18 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
     ]
     records = [RequestRecord(spec, spec.index % len(clients)) for spec in specs]
     deadline = cfg.deadline / k if cfg.deadline is not None else None
-    contents = {spec.index: prompt_content(spec, seed, cfg.text, cfg.tokenizer) for spec in specs}
-    sampler = EngineSampler(deployment.engine_url)
+    if cfg.real:  # sized on the engine's own tokenizer (/tokenize), before the clock starts
+        contents = await asyncio.to_thread(real_prompt_contents, cfg, specs, seed)
+        before = await asyncio.to_thread(wait_real_engine_idle, deployment.engine_url)
+        sampler: EngineSampler = VllmSampler(deployment.engine_url, baseline=before["preemptions"])
+    else:
+        contents = {spec.index: prompt_content(spec, seed, cfg.text, cfg.tokenizer) for spec in specs}
+        sampler = EngineSampler(deployment.engine_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    timeout = aiohttp.ClientTimeout(total=2.0)
+    # a busy real vLLM's API server may answer /metrics late (seconds on 2 cores)
+    timeout = aiohttp.ClientTimeout(total=10.0 if cfg.real else 2.0)
+    send = functools.partial(_send, model=cfg.model, usage=cfg.real)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         sampler_task = asyncio.create_task(sampler.run(session, stop))
 
@@ -586,11 +723,11 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             delay = t0 + record.spec.at / k - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await _send(clients[record.replica], record, contents[record.spec.index], deadline)
+            await send(clients[record.replica], record, contents[record.spec.index], deadline)
 
         async def client_loop(queue: Iterator[RequestRecord]) -> None:
             for record in queue:  # closed loop: the next request as soon as this one ends
-                await _send(clients[record.replica], record, contents[record.spec.index], deadline)
+                await send(clients[record.replica], record, contents[record.spec.index], deadline)
 
         for client in clients:  # connections and the client's lazy set-up, before the clock starts
             await client.models.list()
@@ -614,6 +751,8 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
                 fault = done if isinstance(done, dict) else {"error": repr(done)}
             for client in clients:
                 await client.close()
+        if cfg.real:
+            return await finish_real(cfg, deployment, records, sampler, before, t0, wall, contents, specs)
         async with session.get(f"{deployment.engine_url}/control/state") as response:
             sampler.note(await response.json())
         async with session.get(f"{deployment.engine_url}/control/arrivals") as response:
@@ -624,12 +763,70 @@ async def drive(cfg: BenchConfig, deployment: Deployment, specs: list[RequestSpe
             "occupancy": occupancy, "estimates": service_estimates(cfg, specs, contents)}
 
 
+async def finish_real(cfg: BenchConfig, deployment: Deployment, records: list[RequestRecord], sampler: EngineSampler,
+                      before: dict[str, Any], t0: float, wall: float, contents: dict[int, str],
+                      specs: list[RequestSpec]) -> dict[str, Any]:
+    """A real engine's run: its counters over the run, once it has drained (an aborted request
+    leaves it at its next step), and each request's prompt count from its usage chunk in place of
+    the simulator's arrivals; no occupancy timeline (no work-conservation figures)."""
+    after = await asyncio.to_thread(wait_real_engine_idle, deployment.engine_url)
+    arrivals = [{"id": f"bench-{r.spec.index}", "prompt_tokens": r.prompt_tokens}
+                for r in records if r.prompt_tokens is not None]
+    return {"fault": None, "records": records, "sampler": sampler, "t0": t0, "wall": wall, "arrivals": arrivals,
+            "occupancy": None, "estimates": service_estimates(cfg, specs, contents),
+            "engine_counters": counter_delta(after, before)}
+
+
+# --- prompts sized on a real engine's tokenizer ----------------------------------------------------
+
+TOKENIZE_TRIES = 24  # /tokenize calls per prompt at most (a secant search converges in ~4-8)
+
+
+def _engine_count(engine_url: str, model: str, content: str) -> int:
+    """The real engine's count of a one-message chat request's prompt (its /tokenize, template and
+    generation prompt included: what it counts when the request arrives)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "add_generation_prompt": True}).encode()
+    request = urllib.request.Request(f"{engine_url}/tokenize", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60.0) as response:
+        return int(json.loads(response.read())["count"])
+
+
+def real_prompt_content(cfg: BenchConfig, spec: RequestSpec, seed: int) -> str:
+    """A user message whose chat request the real engine counts at the class's prompt tokens
+    (exactly, or the closest below where no cut lands on it): the simulator's text for the class
+    (bench.text, distinct per request and seed) cut where the engine's /tokenize says."""
+    target = spec.prompt_tokens
+    head = f"[bench request {spec.index} seed {seed} class {spec.cls.name}] "
+    text = sized_content(cfg.text, target * 2, seed, spec.index, head=head, tokenizer_name="bytes4")
+    assert cfg.engine_url is not None
+    count = functools.partial(_engine_count, cfg.engine_url, cfg.model)
+    while count(text) < target:  # 8 bytes per token is more than any byte-level tokenizer compresses
+        text += text
+    lo, lo_n, hi, hi_n = 0, count(""), len(text), count(text)
+    for _ in range(TOKENIZE_TRIES):
+        if hi - lo <= 1 or lo_n == target:
+            break
+        guess = lo + round((hi - lo) * (target - lo_n) / max(1, hi_n - lo_n))
+        guess = min(hi - 1, max(lo + 1, guess))
+        n = count(text[:guess])
+        if n <= target:
+            lo, lo_n = guess, n
+        else:
+            hi, hi_n = guess, n
+    return text[:lo]
+
+
+def real_prompt_contents(cfg: BenchConfig, specs: Sequence[RequestSpec], seed: int) -> dict[int, str]:
+    return {spec.index: real_prompt_content(cfg, spec, seed) for spec in specs}
+
+
 # --- the service's prompt estimate ---------------------------------------------------------------
 
 
-def request_body(spec: RequestSpec, content: str) -> bytes:
+def request_body(spec: RequestSpec, content: str, model: str = SIM_MODEL) -> bytes:
     """The body `_stream` sends (the openai client's JSON; key order does not matter to the service)."""
-    return json.dumps({"messages": [{"role": "user", "content": content}], "model": SIM_MODEL,
+    return json.dumps({"messages": [{"role": "user", "content": content}], "model": model,
                        "max_tokens": spec.max_tokens, "stream": True}).encode()
 
 
@@ -650,8 +847,8 @@ def service_estimates(cfg: BenchConfig, specs: Sequence[RequestSpec],
         endpoint = endpoints.endpoint_for("/v1/chat/completions")
         out = {}
         for spec in specs:
-            facts = endpoints.body_facts(endpoint, request_body(spec, contents[spec.index]), "application/json",
-                                         True, bytes_per_token)
+            body = request_body(spec, contents[spec.index], cfg.model)
+            facts = endpoints.body_facts(endpoint, body, "application/json", True, bytes_per_token)
             out[spec.index] = estimate.estimate_cost(facts, bytes_per_token, safety, 0).prompt_tokens
         return out
     except (TypeError, AttributeError, ValueError) as exc:  # the estimator changed shape
@@ -702,9 +899,11 @@ def gateway_estimate_ratios(records: Sequence[RequestRecord], arrivals: Sequence
     }
 
 
-def gateway_estimate_ratio(stacks: Sequence[LocalStack], engine_url: str) -> float | None:
+def gateway_estimate_ratio(stacks: Sequence[LocalStack], engine_url: str,
+                           engine_prompt_tokens: int | None = None) -> float | None:
     """`admission_estimated_prompt_tokens_total` (where the service exports it) over the engine's
-    `vllm:prompt_tokens_total`: the same ratio as the service itself accounts it."""
+    `vllm:prompt_tokens_total` (or `engine_prompt_tokens`, a real engine's count over the run: it
+    served before the run): the same ratio as the service itself accounts it."""
     estimated = None
     if any(s.service.extproc is None or not s.service.extproc.alive() for s in stacks if s.with_extproc):
         return None  # a service killed by a fault took its counters with it
@@ -717,6 +916,8 @@ def gateway_estimate_ratio(stacks: Sequence[LocalStack], engine_url: str) -> flo
                 estimated = (estimated or 0.0) + value
     if estimated is None:
         return None
+    if engine_prompt_tokens is not None:
+        return round(estimated / engine_prompt_tokens, 3) if engine_prompt_tokens else None
     status, body = http_get(f"{engine_url}/metrics", timeout=5.0)
     engine = sum(v for name, _, v in _metric_samples(body.decode()) if name == "vllm:prompt_tokens_total")
     return round(estimated / engine, 3) if engine else None
@@ -797,12 +998,25 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         return out
 
     by_id = {f"bench-{r.spec.index}": r for r in records}
-    arrived = [by_id[a["id"]] for a in sorted(run["arrivals"], key=lambda a: a["arrival_time"]) if a["id"] in by_id]
+    # the order requests reached the engine: the simulator's arrivals (a real engine does not say)
+    arrived = [by_id[a["id"]] for a in sorted(run["arrivals"], key=lambda a: a["arrival_time"]) if a["id"] in by_id
+               ] if run.get("engine_counters") is None else []
     ends = [r.finished for r in records if r.finished is not None]
     starts = [r.sent for r in records if r.sent is not None]
-    held_s, free_s = work_conservation(records, run["arrivals"], run["occupancy"])
+    engine_counters = run.get("engine_counters")  # a real engine's counters over the run, else None
+    held: tuple[float | None, float | None] = (None, None)  # no occupancy timeline from a real engine
+    if run["occupancy"] is not None:
+        held = work_conservation(records, run["arrivals"], run["occupancy"])
+    held_s, free_s = held
     computed = {req.get("request_id"): req.get("computed_tokens", 0) for req in state.get("requests", [])}
     wasted = sum(computed.get(f"bench-{r.spec.index}", 0) for r in records if r.outcome in ("gave_up", "incomplete"))
+    engine_computed = sum(computed.values())
+    if engine_counters is not None:
+        # what the engine counted over the run less what the completed requests' usage accounts
+        # for: the prompt and generated tokens of requests that did not complete
+        engine_computed = engine_counters["prompt_tokens"] + engine_counters["generation_tokens"]
+        useful = sum((r.prompt_tokens or 0) + r.tokens for r in records if r.outcome == "completed")
+        wasted = max(0, engine_computed - useful)
     output_tokens = sum(r.tokens for r in records if r.outcome == "completed")
     answered_no = [(r.finished - r.sent) * k for r in records
                    if r.outcome == "rejected" and r.finished is not None and r.sent is not None]
@@ -816,7 +1030,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "ledger": cfg.ledger if cfg.gated else None,
         "engine": cfg.engine,
         "text": cfg.text,
-        "tokenizer": cfg.tokenizer,
+        "tokenizer": cfg.tokenizer if not cfg.real else "engine",  # a real engine's prompts: sized by its /tokenize
         **({"output_len": cfg.output_len} if cfg.output_len else {}),
         "time_scale": k,
         "seed": seed,
@@ -842,7 +1056,9 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "per_request": [{"i": r.spec.index, "cls": r.spec.cls.name, "outcome": r.outcome, "reason": r.reason,
                          "after_s": _r((r.finished - r.sent) * k) if r.finished is not None and r.sent is not None
                          else None,
-                         **({"retry_after_s": _r(r.retry_after * k)} if r.retry_after is not None else {})}
+                         **({"retry_after_s": _r(r.retry_after * k)} if r.retry_after is not None else {}),
+                         # a real engine's count of the prompt (the stream's usage)
+                         **({"prompt_tokens": r.prompt_tokens} if r.prompt_tokens is not None else {})}
                         for r in sorted(records, key=lambda r: r.spec.index)],
         "preemptions": preemptions,
         **estimate_ratios(records, run["arrivals"], run.get("estimates")),
@@ -851,14 +1067,16 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         **gateway_estimate_ratios(records, run["arrivals"], run.get("gateway_estimates"), run["t0"], k,
                                   cfg.estimate_window_from),
         "finish_reasons": dict(Counter(r.finish_reason for r in records if r.finish_reason)),
-        "preempted_requests": sum(1 for r in state.get("requests", []) if r["preemptions"] > 0),
+        # per-request preemptions are the simulator's; a real engine has only its counter
+        "preempted_requests": None if engine_counters is not None
+        else sum(1 for r in state.get("requests", []) if r["preemptions"] > 0),
         "ttft_p50": stat("ttft", 0.50),
         "ttft_p90": stat("ttft", 0.90),
         "ttft_p95": stat("ttft", 0.95),
         "e2e_p50": stat("e2e", 0.50),
         "e2e_p95": stat("e2e", 0.95),
-        "max_engine_waiting": state.get("max_waiting", 0),
-        "max_engine_running": state.get("max_running", 0),
+        "max_engine_waiting": state.get("max_waiting", getattr(sampler, "max_waiting", 0)),
+        "max_engine_running": state.get("max_running", getattr(sampler, "max_running", 0)),
         "peak_engine_running_plus_waiting": max(sampler.peak_running_plus_waiting, state.get("max_waiting", 0),
                                                 state.get("max_running", 0)),
         "peak_kv_usage": round(sampler.peak_kv_usage, 4),
@@ -867,11 +1085,11 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "output_tokens_per_s": _r(output_tokens / makespan, 1) if makespan else None,
         # tokens the engine computed (prefill, recompute, decode) for requests whose client gave up
         "wasted_tokens": wasted,
-        "engine_computed_tokens": sum(computed.values()),
+        "engine_computed_tokens": engine_computed,
         # work conservation (engine seconds): time held before the engine, and the part of it
         # during which the engine had room for the request (see work_conservation)
-        "held_s": _r(held_s * k, 2),
-        "parked_while_free_s": _r(free_s * k, 2),
+        "held_s": _r(held_s * k, 2) if held_s is not None else None,
+        "parked_while_free_s": _r(free_s * k, 2) if free_s is not None else None,
         "stale_transitions": gateway["stale_transitions"] if gateway else 0,
         "ledger_degraded_transitions": gateway["ledger_degraded_transitions"] if gateway else 0,
         "ledger_lease_expiries": gateway["ledger_lease_expiries"] if gateway else 0,
@@ -879,12 +1097,17 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "poll_failures": gateway["poll_failures"] if gateway else {},
         "gateway_admitted": gateway["admitted"] if gateway else {},
         "gateway_rejected": gateway["rejected"] if gateway else {},
-        "engine_arrivals": len(arrived),
+        # a real engine: the requests whose stream carried the engine's usage (it served them)
+        "engine_arrivals": len(arrived) if engine_counters is None else len(run["arrivals"]),
         # whether the prompt classes reached the engine in the order they were sent
         "arrival_order_kept": ([r.spec.cls.name for r in arrived]
-                               == [r.spec.cls.name for r in sorted(arrived, key=lambda r: r.spec.index)]),
-        **({"engine_arrival_order": " ".join(r.spec.cls.name for r in arrived)} if len(arrived) <= 40 else {}),
+                               == [r.spec.cls.name for r in sorted(arrived, key=lambda r: r.spec.index)])
+        if engine_counters is None else None,
+        **({"engine_arrival_order": " ".join(r.spec.cls.name for r in arrived)}
+           if engine_counters is None and len(arrived) <= 40 else {}),
         "engine_samples": sampler.samples,
+        **(real_engine_report(engine_counters, sampler, run["t0"], run["wall"], cfg)
+           if engine_counters is not None else {}),
         "wall_s": round(run["wall"], 2),
         "settings": {
             "max_inflight": cfg.max_inflight, "kv_threshold": cfg.kv_threshold, "queue_depth": cfg.queue_depth,
@@ -899,6 +1122,22 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
     return result
 
 
+def real_engine_report(counters: dict[str, Any], sampler: EngineSampler, t0: float, wall: float,
+                       cfg: BenchConfig) -> dict[str, Any]:
+    """The real engine's own figures over the run (its counters' differences), wall seconds."""
+    return {
+        "engine_url": cfg.engine_url,
+        "model": cfg.model,
+        "engine_counter_prompt_tokens": counters["prompt_tokens"],
+        "engine_counter_generation_tokens": counters["generation_tokens"],
+        "engine_generation_tokens_per_s": _r(counters["generation_tokens"] / wall, 1) if wall else None,
+        "engine_finished": counters["finished"],
+        "engine_sample_failures": sampler.failures,
+        # samples read wholly while the load ran (the peaks can only come from these)
+        "engine_samples_in_load": sampler.samples_within(t0, t0 + wall) if isinstance(sampler, VllmSampler) else None,
+    }
+
+
 def _fmt(value: float | None, width: int = 8) -> str:
     if value is None:
         return f"{'-':>{width}}"
@@ -911,21 +1150,28 @@ def render_run(result: dict[str, Any]) -> str:
         f"replicas {result['replicas']}  "
         f"time scale {result['time_scale']:g}  seed {result['seed']}  text {result.get('text')}  "
         f"tokenizer {result.get('tokenizer')}",
-        "times in engine seconds",
-        f"{'class':<7}{'sent':>6}{'done':>6}{'ttft p50':>10}{'ttft p95':>10}{'e2e p50':>10}{'e2e p95':>10}",
+        "times in wall seconds (a real engine)" if result["engine"] == REAL_ENGINE else "times in engine seconds",
+        f"{'class':<11}{'sent':>6}{'done':>6}{'ttft p50':>10}{'ttft p95':>10}{'e2e p50':>10}{'e2e p95':>10}",
     ]
     for name in [*result["requests_by_class"], "all"]:
         sent = result["requests"] if name == "all" else result["requests_by_class"][name]
         done = result["completed"] if name == "all" else result["completed_by_class"][name]
-        lines.append(f"{name:<7}{sent:>6}{done:>6}  {_fmt(result['ttft_p50'][name])}  {_fmt(result['ttft_p95'][name])}"
+        lines.append(f"{name:<11}{sent:>6}{done:>6}  {_fmt(result['ttft_p50'][name])}  {_fmt(result['ttft_p95'][name])}"
                      f"  {_fmt(result['e2e_p50'][name])}  {_fmt(result['e2e_p95'][name])}")
     rejected = ", ".join(f"{k} {v}" for k, v in result["rejected"].items()) or "none"
     lines.append(f"rejected: {rejected}" + (f"; incomplete: {result['incomplete']}" if result["incomplete"] else "")
                  + (f"; gave up: {result['gave_up']}" if result["gave_up"] else "")
                  + f"; goodput {result['goodput']}")
-    lines.append(f"engine: preemptions {result['preemptions']} ({result['preempted_requests']} requests), "
+    preempted = f" ({result['preempted_requests']} requests)" if result["preempted_requests"] is not None else ""
+    lines.append(f"engine: preemptions {result['preemptions']}{preempted}, "
                  f"max waiting {result['max_engine_waiting']}, peak running+waiting "
                  f"{result['peak_engine_running_plus_waiting']}, peak KV {result['peak_kv_usage']:.3f}")
+    if "engine_counter_generation_tokens" in result:
+        lines.append(f"engine counters over the run: prompt tokens {result['engine_counter_prompt_tokens']}, "
+                     f"generated {result['engine_counter_generation_tokens']} "
+                     f"({result['engine_generation_tokens_per_s']} tok/s wall), finished {result['engine_finished']}; "
+                     f"client: output {result['output_tokens_per_s']} tok/s over the makespan, "
+                     f"wasted {result['wasted_tokens']} tokens")
     if result["mode"] in GATED_MODES:
         lines.append(f"gateway: parked {result['parked']}, stale transitions {result['stale_transitions']}, "
                      f"poll failures {result['poll_failures'] or 0}, admitted {result['gateway_admitted']}")
@@ -944,9 +1190,11 @@ def render_run(result: dict[str, Any]) -> str:
         window = result.get("gateway_estimate_ratio_window")
         lines.append(f"the service's own estimate / engine count: {result.get('gateway_estimate_ratio')} ({by_class})"
                      + (f"; sent from {window['from_s']:g} s on: {window['ratio']}" if window else ""))
-    lines.append(f"makespan {result['makespan_s']} s engine ({result['wall_s']} s wall), "
-                 f"throughput {result['throughput_rps']} req/s, held before the engine {result['held_s']} s, "
-                 f"of which with room at the engine (parked_while_free_s) {result['parked_while_free_s']} s")
+    held = (f", held before the engine {result['held_s']} s, of which with room at the engine "
+            f"(parked_while_free_s) {result['parked_while_free_s']} s" if result["held_s"] is not None else "")
+    span = (f"{result['makespan_s']} s wall" if result["engine"] == REAL_ENGINE
+            else f"{result['makespan_s']} s engine ({result['wall_s']} s wall)")
+    lines.append(f"makespan {span}, throughput {result['throughput_rps']} req/s{held}")
     return "\n".join(lines)
 
 
@@ -1004,6 +1252,8 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
         if workdir is None:
             workdir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="bench-admission-")))
         workdir = workdir / f"{cfg.scenario}-{cfg.mode}-r{cfg.replicas}"
+        if cfg.real:
+            cfg = cleanup.enter_context(real_engine(cfg, workdir))
         deployment = Deployment(cfg, workdir)
         if cfg.progress:
             print(f"[{cfg.scenario} / {cfg.mode} / {cfg.replicas} replica(s)] starting the stack "
@@ -1012,11 +1262,13 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
             deployment.start()
             run = asyncio.run(drive(cfg, deployment, specs, seed))
             gateway = gateway_counters(deployment.stacks) if cfg.gated else None
+            counters = run.get("engine_counters")
             if cfg.gated:
-                run["gateway_estimate_ratio"] = gateway_estimate_ratio(deployment.stacks, deployment.engine_url)
+                run["gateway_estimate_ratio"] = gateway_estimate_ratio(
+                    deployment.stacks, deployment.engine_url, counters["prompt_tokens"] if counters else None)
                 run["predictions"] = deployment.wait_predictions()
                 run["gateway_estimates"] = deployment.admitted_estimates()
-            preemptions = engine_preemptions(deployment.engine_url)
+            preemptions = counters["preemptions"] if counters else engine_preemptions(deployment.engine_url)
         except BaseException:
             if cfg.progress:
                 print(deployment.logs()[-6000:], file=sys.stderr)
@@ -1026,15 +1278,49 @@ def run_one(cfg: BenchConfig) -> dict[str, Any]:
     return summarize(cfg, seed, run, gateway, preemptions)
 
 
+@contextlib.contextmanager
+def real_engine(cfg: BenchConfig, workdir: Path) -> Iterator[BenchConfig]:
+    """The real engine for a run: the one at cfg.engine_url, or one started here (`--engine real`,
+    realengine.VllmEngine: 40-100 s idle, minutes on a loaded machine) and stopped at the end;
+    the model the requests name is its /v1/models'."""
+    started = None
+    if cfg.engine_url is None:
+        import realengine
+
+        if cfg.progress:
+            print(f"starting the real vLLM (CPU) in {workdir / 'vllm'}: 40-100 s, minutes on a busy machine",
+                  file=sys.stderr, flush=True)
+        started = realengine.VllmEngine(workdir / "vllm")
+        try:
+            started.start()
+        except BaseException:
+            print(started.log_tail(60), file=sys.stderr)
+            raise
+        cfg = dataclasses.replace(cfg, engine_url=started.url)
+    try:
+        assert cfg.engine_url is not None
+        status, body = http_get(f"{cfg.engine_url}/v1/models", timeout=10.0)
+        if status != 200:
+            raise SystemExit(f"the engine at {cfg.engine_url} answered /v1/models with {status}")
+        yield dataclasses.replace(cfg, model=json.loads(body)["data"][0]["id"])
+    finally:
+        if started is not None:
+            started.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.admission", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--scenario", required=True, choices=sorted(SCENARIOS), help="the load (see bench/README.md)")
     add("--mode", choices=MODES, help="none, vllm-builtin, reference or full (required unless --all)")
-    add("--engine", choices=ENGINES, default=ENGINES[0],
+    add("--engine", choices=(*ENGINES, REAL_ENGINE), default=ENGINES[0],
         help="the vLLM version the simulator behaves as: vllm-0.33 checks that a whole prompt fits "
-             "before starting it and caches prefixes; vllm-0.11 does neither")
+             "before starting it and caches prefixes; vllm-0.11 does neither. `real`: start the real vLLM "
+             "(CPU build, realengine) for the run, wall clock, with a real-* scenario")
+    add("--engine-url", default=None, metavar="URL",
+        help="drive the real vLLM already serving at URL (e.g. `python -m realengine 8000`) instead of "
+             "starting one; implies --engine real")
     add("--all", action="store_true",
         help="run every mode with 1 and 3 replicas (or --replicas-list) and print one table")
     add("--replicas", type=int, default=1, help="Envoy (+ service) replicas in front of the one engine")
@@ -1059,8 +1345,9 @@ def build_parser() -> argparse.ArgumentParser:
              "lognormal:MEAN[:SIGMA]; default: the scenario's, else max)")
     add("--rate", type=float, default=0.03, help="steady: arrivals per engine second")
     add("--duration", type=float, default=600.0, help="steady: engine seconds of arrivals")
-    add("--spacing", type=float, default=0.5,
-        help="bursts: engine seconds between consecutive sends (fixes the arrival order)")
+    add("--spacing", type=float, default=None,
+        help="bursts: engine seconds between consecutive sends (fixes the arrival order; default: the "
+             "scenario's, 0.5; real-burst 0.05)")
     add("--concurrency", type=int, default=None,
         help="closed-loop scenarios (short): clients sending back to back (default: the scenario's, 8)")
     add("--count", type=int, default=None, help="closed-loop scenarios: requests in all (default: the scenario's)")
@@ -1094,6 +1381,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.all and args.mode is None:
         parser.error("--mode is required unless --all is given")
+    if args.engine_url is not None:
+        args.engine = REAL_ENGINE
+    real = args.engine == REAL_ENGINE
+    if real != SCENARIOS[args.scenario].real:
+        names = ", ".join(sorted(n for n, s in SCENARIOS.items() if s.real == real))
+        parser.error(f"--scenario {args.scenario} is for {'the simulator' if not real else 'a real engine'}; "
+                     f"with {'--engine real / --engine-url' if real else 'the simulator'} use one of: {names}")
+    if real:
+        if args.all:
+            parser.error("--all is for the simulator; on a real engine run --mode none and --mode full one by one")
+        if args.mode not in REAL_MODES:
+            parser.error(f"--mode {args.mode} is not available on a real engine (one of: {', '.join(REAL_MODES)}); "
+                         "vllm-builtin needs the engine started with --max-num-queued-reqs")
+        if args.replicas != 1 or args.shared or args.ledger != "local" or args.fault:
+            parser.error("a real engine is driven through one replica (no --replicas, --shared, --ledger redis "
+                         "or --fault)")
+        if args.sim_arg or args.output_len or args.tokenizer != DEFAULT_TOKENIZER:
+            parser.error("--sim-arg, --output-len and --tokenizer are the simulator's; a real engine has its own")
+        if args.time_scale not in (None, 1.0):
+            parser.error("a real engine runs on the wall clock: --time-scale must be 1")
     if args.time_scale is None:
         args.time_scale = SCENARIOS[args.scenario].time_scale
     if args.time_scale <= 0 or args.replicas < 1:
@@ -1116,6 +1423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits[name] = getattr(args, name)
     args.max_inflight, args.queue_depth, args.park_cap = (
         int(limits["max_inflight"]), int(limits["queue_depth"]), float(limits["park_cap"]))
+    if args.spacing is None:
+        args.spacing = SCENARIOS[args.scenario].spacing or LoadShape.spacing
     shape = LoadShape(rate=args.rate, duration=args.duration, spacing=args.spacing, concurrency=args.concurrency,
                       count=args.count, deadline=args.deadline)
     if args.engine == "vllm-0.11" and (args.mode == "vllm-builtin"):
@@ -1135,7 +1444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 queue_depth=args.queue_depth, park_cap=args.park_cap, poll_interval=args.poll_interval,
                 extra_env=tuple(extra), sim_args=tuple(args.sim_arg), workdir=args.workdir, progress=not args.quiet,
                 text=args.text, tokenizer=args.tokenizer, output_len=args.output_len,
-                estimate_window_from=args.estimate_window_from)
+                estimate_window_from=args.estimate_window_from,
+                engine_url=args.engine_url.rstrip("/") if args.engine_url else None)
     if not args.all:
         result = run_one(BenchConfig(mode=args.mode, replicas=args.replicas, **base))
         print(render_run(result))

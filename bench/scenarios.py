@@ -39,6 +39,9 @@ class PromptClass:
     name: str
     prompt_tokens: int
     max_tokens: int
+    # sent with vLLM's `ignore_eos: true` (the real engine's classes): the model generates
+    # max_tokens whatever it samples, so a request's cost is fixed
+    ignore_eos: bool = False
 
 
 CLASSES: dict[str, PromptClass] = {
@@ -56,6 +59,19 @@ CLASSES: dict[str, PromptClass] = {
         # a RAG-style request (long prompt, short answer: prefill-bound).
         PromptClass("think", 1_000, 4_000),
         PromptClass("rag", 4_000, 64),
+        # On the real vLLM (CPU build, realengine: 20,480 KV tokens, max-num-seqs 4, ~290 tok/s
+        # decode for one sequence, ~900-1,300 with four). `decode`: a long streamed chat that
+        # generates to its limit (1,500 + 6,000 = 7,500 tokens of KV: two fit beside each other,
+        # a third does not, so four running outgrow the cache as they decode); `decode-eos`: the
+        # same prompt, max_tokens 8,000, ended where the random-weight model samples its end token.
+        PromptClass("decode", 1_500, 6_000, ignore_eos=True),
+        PromptClass("decode-eos", 1_500, 8_000),
+        # the seed's long-prompt burst on the real engine's geometry (65k and 8k scaled by
+        # 20,480 / 152,416 KV tokens, to the nearest power of two)
+        PromptClass("long", 8_192, 256, ignore_eos=True),
+        PromptClass("mid", 1_024, 64, ignore_eos=True),
+        # a short chat turn on the real engine (~20 ms of decode per token with four running)
+        PromptClass("chat", 32, 16, ignore_eos=True),
     )
 }
 
@@ -105,6 +121,10 @@ class Scenario:
     limits: tuple[tuple[str, float], ...] = ()
     # vllm-builtin's --max-num-queued-reqs, where the gate is bound by KV rather than max in-flight
     builtin_queued_reqs: int | None = None
+    # for the real vLLM (bench.admission --engine real / --engine-url): wall clock, prompts sized
+    # on the engine's own tokenizer; the simulator's scenarios refuse it and these the simulator
+    real: bool = False
+    spacing: float | None = None  # a burst's default spacing, engine seconds (None: LoadShape's 0.5)
 
 
 def prompt_content(spec: RequestSpec, seed: int, text: str = DEFAULT_TEXT,
@@ -207,6 +227,27 @@ SCENARIOS: dict[str, Scenario] = {
                  # long enough that a machine with four busy loops beside the test suite still polls in
                  # time (at 0.1 s it counted stale transitions); the run's wall time is its start-up.
                  seed=1, build=_burst({"smoke": 6}), time_scale=4.0),
+        # The real vLLM (CPU build; realengine's geometry). Wall clock: time_scale 1, and the
+        # offsets and deadlines below are wall seconds. Each runs in at most ~3 minutes here.
+        Scenario("real-decode", "10 streaming chats (1,500-token prompt, max_tokens 6,000, ignore_eos) in a burst: "
+                 "decode-heavy to the limit; four running need 30,000 tokens of KV against 20,480",
+                 seed=41, build=_burst({"decode": 10}), time_scale=1.0, real=True),
+        Scenario("real-decode-eos", "real-decode with max_tokens 8,000 and natural ends: each chat ends where the "
+                 "random-weight model samples its end token (lengths vary; none reaches its limit by design)",
+                 seed=41, build=_burst({"decode-eos": 10}), time_scale=1.0, real=True),
+        Scenario("real-burst", "the seed's long-prompt burst on the real engine: 2 x 8k + 15 x 1k prompts "
+                 "(reference-65k scaled to 20,480 KV tokens; 33,216 tokens of need in all), 50 ms apart",
+                 # a 1k request takes ~0.2 s here: 0.5 s apart they would never meet
+                 # queue depth 16, as the simulator's bursts are measured: 17 requests, none turned away
+                 seed=65, build=_burst({"long": 2, "mid": 15}), time_scale=1.0, real=True, spacing=0.05,
+                 limits=(("queue_depth", 16),)),
+        Scenario("real-overload", "RAG requests (4,000-token prompt, 64 generated) at ~1.5x what the real engine "
+                 "prefills (Poisson, 6/s for 30 s); each client gives up after 20 s",
+                 seed=33, build=_poisson("rag", 6.0, 30.0), time_scale=1.0, deadline=20.0,
+                 limits=(("park_cap", 20.0),), real=True),
+        Scenario("real-short", "40 short chats (32-token prompt, 16 tokens, ignore_eos) from 8 clients back to back: "
+                 "the shortest real-engine scenario (the smoke test's)",
+                 seed=11, build=_closed_loop("chat", 40), time_scale=1.0, concurrency=8, real=True),
     )
 }
 

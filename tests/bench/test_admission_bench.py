@@ -166,3 +166,16 @@ def test_fault_and_ledger_options_are_refused_where_they_mean_nothing() -> None:
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, args
         assert "--fault" in proc.stderr or "--ledger" in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--scenario", "smoke", "--engine-url", "http://127.0.0.1:9"), "with --engine real / --engine-url use one of"),
+    (("--scenario", "real-short"), "with the simulator use one of"),
+    (("--scenario", "real-short", "--engine", "real", "--replicas", "2"), "one replica"),
+])
+def test_the_real_engine_and_the_simulator_keep_to_their_own_scenarios(args: tuple[str, ...], says: str) -> None:
+    # refused with a clear message before anything starts (no engine answers at port 9)
+    proc = subprocess.run([sys.executable, "-m", "bench.admission", "--mode", "none", "--quiet", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr
