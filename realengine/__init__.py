@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -143,8 +144,10 @@ class VllmEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m realengine [PORT]`: serve the tiny model in the foreground (Ctrl-C stops it)."""
+    """`python -m realengine [PORT]`: serve the tiny model in the foreground (Ctrl-C or SIGTERM stops it)."""
     args = sys.argv[1:] if argv is None else argv
+    # SIGTERM stops it as Ctrl-C does (a shell's background job ignores SIGINT: `kill %1` must do).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     engine = VllmEngine(CHECKOUT / "run" / "vllm", port=int(args[0]) if args else 8000)
     print(f"realengine: starting vLLM (CPU) at {engine.url}; 40-100 s", flush=True)
     engine.start()
