@@ -412,9 +412,18 @@ class RedisLedger:
         known_version, _, known_state = known
         lost = EngineGate.from_state(self._limits[engine], json.loads(known_state) if known_state else {})
         now = self._clock()
-        mine = [Ticket.from_state(t.to_state()) for t in (*lost.admitted(), *lost.queued()) if t.owner == self.replica]
+        known_tickets = [Ticket.from_state(t.to_state()) for t in (*lost.admitted(), *lost.queued())]
+        mine = [t for t in known_tickets if t.owner == self.replica]
         for t in mine:
             t.lease_until = now + self._lease
+        # The other replicas' tickets as this one last saw them hold their places until each puts
+        # its own back (or their leases run out): else the first replica to rebuild sees the engine
+        # emptier than it is (a request another replica admitted after the last scrape) and admits
+        # into a full engine.
+        theirs: dict[str, list[Ticket]] = {}
+        for t in known_tickets:
+            if t.owner and t.owner != self.replica:
+                theirs.setdefault(t.owner, []).append(t)
         snapshot = lost.snapshot
         self._metrics.state_lost.labels(engine, loss).inc()
         log.warning("shared ledger state lost; putting this replica's requests back",
@@ -425,6 +434,10 @@ class RedisLedger:
 
         def put_back(gate: EngineGate) -> list[Decision]:
             gate.replace_owner(self.replica, [Ticket.from_state(t.to_state()) for t in mine])
+            present = {t.owner for t in (*gate.admitted(), *gate.queued())}
+            for owner, tickets in theirs.items():
+                if owner not in present:  # that replica has not put its own back yet
+                    gate.replace_owner(owner, [Ticket.from_state(t.to_state()) for t in tickets])
             if gate.snapshot is None and snapshot is not None:  # the scrape was lost with it
                 return gate.observe(snapshot, self._clock())
             return []

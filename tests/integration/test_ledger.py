@@ -391,3 +391,39 @@ async def test_a_parked_request_the_ledger_lost_without_a_trace_is_answered_at_i
         await raw.aclose()
         for x in (a, b):
             await x.stop()
+
+
+async def test_the_first_replica_to_rebuild_keeps_the_others_requests_in_place(tmp_path: Path) -> None:
+    # A admitted the holder after the last scrape; B holds a parked request. After a flush B happens
+    # to rebuild first: it must not see an empty engine (the scrape does not show the holder, and A
+    # has not put it back yet) and admit into the full one.
+    _require_redis()
+    server = RedisServer(tmp_path / "redis").start()
+    prefix = f"first{next(_prefixes)}"
+    a, _ = _admission(server.url, prefix)
+    b, reg_b = _admission(server.url, prefix)
+    raw = await _raw(server.url)
+    try:
+        await _started(a, b)
+        holder = await a.arrive("default", "m")
+        assert holder.outcome is Outcome.ADMITTED
+        parked = await b.arrive("default", "m")
+        assert parked.outcome is Outcome.PARKED
+        wait = asyncio.ensure_future(b.wait("default", parked.ticket))
+        await _until(lambda: len(b.gate("default").admitted()) == 1, "B's view to hold A's holder")
+        assert await raw.flushall()
+        await b.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
+        assert _lost(reg_b, "vanished") == 1  # B rebuilt first
+        view = b.gate("default")
+        assert [t.id for t in view.admitted()] == [holder.ticket.id]  # A's request held its place
+        assert [t.id for t in view.queued()] == [parked.ticket.id]
+        assert not wait.done()
+        await a.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]  # A puts its own back
+        await a.finish("default", holder.ticket)
+        assert (await asyncio.wait_for(wait, 5)).outcome is Outcome.ADMITTED_AFTER_PARK
+        await b.finish("default", parked.ticket)
+    finally:
+        await raw.aclose()
+        for x in (a, b):
+            await x.stop()
+        server.stop()
