@@ -67,14 +67,13 @@ def test_real_short_report_is_complete_and_consistent(mode: str, vllm: realengin
     per_request = result["per_request"]
     assert [r["i"] for r in per_request] == list(range(REQUESTS))
     assert Counter(r["outcome"] for r in per_request) == {"completed": REQUESTS}
-    # the engine's gauges stay within its geometry; a sample read wholly during the load saw the
-    # requests (on a loaded machine one read of /metrics can outlast this short load)
+    # The engine's gauges stay within its geometry. That a sample taken during this short load saw
+    # the requests is not asserted: vLLM publishes its gauges a few seconds late (they read 0
+    # throughout one run of this test), and the counters above already show what the engine did.
     assert result["engine_samples"] >= result["engine_samples_in_load"] >= 0
     assert result["peak_engine_running_plus_waiting"] <= REQUESTS
     assert result["max_engine_running"] <= realengine.MAX_NUM_SEQS
     assert 0 <= result["peak_kv_usage"] <= 1
-    if result["engine_samples_in_load"]:
-        assert result["peak_engine_running_plus_waiting"] >= 1 and result["peak_kv_usage"] > 0
     assert result["makespan_s"] > 0 and result["throughput_rps"] > 0 and result["output_tokens_per_s"] > 0
     for key in ("ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95"):
         assert set(result[key]) == {"chat", "all"}
