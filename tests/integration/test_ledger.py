@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -285,15 +286,28 @@ async def _raw(url: str):  # noqa: ANN202
     return redis.Redis.from_url(url, decode_responses=True)
 
 
-async def test_a_flushed_ledger_is_found_and_rebuilt_from_each_replicas_own_tickets(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _two_replicas_on_a_fresh_redis(tmp_path: Path, name: str):  # noqa: ANN202
+    """Replicas A and B (and their registries) on a Redis of their own, started with one idle
+    scrape, and a raw client to break the store with; all stopped after."""
     _require_redis()
     server = RedisServer(tmp_path / "redis").start()
-    prefix = f"flush{next(_prefixes)}"
+    prefix = f"{name}{next(_prefixes)}"
     a, reg_a = _admission(server.url, prefix)
     b, reg_b = _admission(server.url, prefix)
     raw = await _raw(server.url)
     try:
         await _started(a, b)
+        yield a, reg_a, b, reg_b, raw
+    finally:
+        await raw.aclose()
+        for x in (a, b):
+            await x.stop()
+        server.stop()
+
+
+async def test_a_flushed_ledger_is_found_and_rebuilt_from_each_replicas_own_tickets(tmp_path: Path) -> None:
+    async with _two_replicas_on_a_fresh_redis(tmp_path, "flush") as (a, reg_a, b, reg_b, raw):
         holder = await a.arrive("default", "m")
         assert holder.outcome is Outcome.ADMITTED
         parked = []
@@ -328,11 +342,6 @@ async def test_a_flushed_ledger_is_found_and_rebuilt_from_each_replicas_own_tick
             await x.finish("default", t)
         await a.ledger.transact("default", lambda g: [])  # type: ignore[attr-defined]
         assert a.gate("default").inflight == 0 and a.gate("default").queue_depth == 0
-    finally:
-        await raw.aclose()
-        for x in (a, b):
-            await x.stop()
-        server.stop()
 
 
 async def test_a_ledger_restored_to_an_older_version_is_found_and_rebuilt(redis_server: RedisServer) -> None:
@@ -397,14 +406,7 @@ async def test_the_first_replica_to_rebuild_keeps_the_others_requests_in_place(t
     # A admitted the holder after the last scrape; B holds a parked request. After a flush B happens
     # to rebuild first: it must not see an empty engine (the scrape does not show the holder, and A
     # has not put it back yet) and admit into the full one.
-    _require_redis()
-    server = RedisServer(tmp_path / "redis").start()
-    prefix = f"first{next(_prefixes)}"
-    a, _ = _admission(server.url, prefix)
-    b, reg_b = _admission(server.url, prefix)
-    raw = await _raw(server.url)
-    try:
-        await _started(a, b)
+    async with _two_replicas_on_a_fresh_redis(tmp_path, "first") as (a, _, b, reg_b, raw):
         holder = await a.arrive("default", "m")
         assert holder.outcome is Outcome.ADMITTED
         parked = await b.arrive("default", "m")
@@ -422,8 +424,3 @@ async def test_the_first_replica_to_rebuild_keeps_the_others_requests_in_place(t
         await a.finish("default", holder.ticket)
         assert (await asyncio.wait_for(wait, 5)).outcome is Outcome.ADMITTED_AFTER_PARK
         await b.finish("default", parked.ticket)
-    finally:
-        await raw.aclose()
-        for x in (a, b):
-            await x.stop()
-        server.stop()
