@@ -50,7 +50,7 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from devstack import SIM_MODEL, LocalStack, RedisServer, http_get, wait_until
+from devstack import SIM_MODEL, LocalStack, RedisServer, engine_models, http_get, wait_until
 from extproc.config import DEFAULT_MAX_PARK_SECONDS
 from extproc.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
@@ -1299,10 +1299,11 @@ def real_engine(cfg: BenchConfig, workdir: Path) -> Iterator[BenchConfig]:
         cfg = dataclasses.replace(cfg, engine_url=started.url)
     try:
         assert cfg.engine_url is not None
-        status, body = http_get(f"{cfg.engine_url}/v1/models", timeout=10.0)
-        if status != 200:
-            raise SystemExit(f"the engine at {cfg.engine_url} answered /v1/models with {status}")
-        yield dataclasses.replace(cfg, model=json.loads(body)["data"][0]["id"])
+        models, reason = engine_models(cfg.engine_url)
+        if not models:
+            raise SystemExit(f"the engine at {cfg.engine_url} lists no model on /v1/models "
+                             f"({reason or 'an empty list'})")
+        yield dataclasses.replace(cfg, model=models[0])
     finally:
         if started is not None:
             started.stop()

@@ -378,7 +378,7 @@ class LocalStack:
             raise TimeoutError(f"{exc}\n{child.log_tail()}") from None
 
 
-def _engine_models(engine_url: str) -> tuple[list[str] | None, str]:
+def engine_models(engine_url: str) -> tuple[list[str] | None, str]:
     """The served model names from a real engine's /v1/models, or None and why it gave none."""
     url = f"{engine_url.rstrip('/')}/v1/models"
     try:
@@ -401,7 +401,7 @@ def wait_for_engine(engine_url: str, timeout: float, say: Callable[[str], None],
     deadline = time.monotonic() + timeout
     next_say = 0.0
     while True:
-        models, reason = _engine_models(engine_url)
+        models, reason = engine_models(engine_url)
         if models is not None:
             return models
         now = time.monotonic()
