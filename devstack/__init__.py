@@ -570,7 +570,7 @@ def _main(argv: Sequence[str] | None, cleanup: contextlib.ExitStack) -> int:
             f"  status page:                 {stack.admin_url}/\n"
             f"  admission metrics / state:   {stack.admin_url}/metrics   {stack.admin_url}/debug/engines\n"
             f"  engine:                      {stack.engine_base}"
-            f"{_ENGINE_NOTES[engine_kind] if engine_kind == 'vllm' or not os.environ.get('ENGINE_URL') else ''}\n\n"
+            f"{'' if os.environ.get('ENGINE_URL') else _ENGINE_NOTES[engine_kind]}\n\n"
             "  Try:\n"
             f"    curl -s {stack.url}/v1/chat/completions -H 'content-type: application/json' \\\n"
             f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
