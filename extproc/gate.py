@@ -170,7 +170,9 @@ which a lower bound may not count. The expected wait counts them, and can be wro
 fluid model, `_FluidEngine`:
 - Jobs: our open requests, oldest admission first, each with its prompt (`tokens - generation`)
   and its expected generation (the engine's recent mean per finished request, `generation_mean`,
-  at most its `max_tokens`; the limit until a mean is known). The first `max_inflight` run (the
+  at most its `max_tokens`; ONE token until a mean is known: `max_tokens` is a cap, not an
+  expectation, and taking it turned away at once, with > 300 s predicted, a request that a run with
+  natural ends on the real engine served within 71 s). The first `max_inflight` run (the
   engine's max-num-seqs); of those, the first with prompt left prefills at the peak measured KV
   growth (the bound's throughput without its margin; one prefill at a time, in order), and the
   others generate, each at the measured decode rate WITH a prefill beside them (one token per
@@ -223,6 +225,9 @@ BACKFILL_PATIENCE = 0.5
 RATE_INTERVALS = 8
 #: The wait bound divides by the peak measured throughput times this.
 RATE_MARGIN = 2.0
+#: Tokens a request is expected to generate before the engine has finished any (module docstring,
+#: "Expected waits"): its limit is a cap, not an expectation, so only the first token is counted.
+UNKNOWN_GENERATION = 1
 
 
 @dataclass(frozen=True)
@@ -687,9 +692,10 @@ class EngineGate:
         return waits
 
     def _expected_generation(self, ticket: Ticket) -> float:
-        """Tokens the ticket is expected to generate: the engine's recent mean, at most its limit."""
+        """Tokens the ticket is expected to generate: the engine's recent mean, at most its limit;
+        one token (the only certain one) until the engine has finished a request."""
         mean = self._generation_mean
-        return float(ticket.generation if mean is None else min(ticket.generation, mean))
+        return float(min(ticket.generation, UNKNOWN_GENERATION if mean is None else mean))
 
     def predicted_wait(self, ticket: Ticket, now: float) -> float | None:
         """The configured prediction for a request arriving now: the bound, or its expected wait
