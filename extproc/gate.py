@@ -172,8 +172,8 @@ fluid model, `_FluidEngine`:
 - Jobs: our open requests, oldest admission first, each with its prompt (`tokens - generation`)
   and its expected generation (the engine's recent mean per finished request, `generation_mean`,
   at most its `max_tokens`; ONE token until a mean is known: `max_tokens` is a cap, not an
-  expectation, and taking it turned away at once, with > 300 s predicted, a request that a run with
-  natural ends on the real engine served within 71 s). The first `max_inflight` run (the
+  expectation, and taking it turned away 5 of 10 chats on the real engine at 13-22 s, with 299-357
+  s predicted, in a run whose admitted chats had all ended by 111 s). The first `max_inflight` run (the
   engine's max-num-seqs); of those, the first with prompt left prefills at the peak measured KV
   growth (the bound's throughput without its margin; one prefill at a time, in order), and the
   others generate, each at the measured decode rate WITH a prefill beside them (one token per
