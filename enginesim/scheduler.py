@@ -158,7 +158,7 @@ class CostModel:
 
     ``per_attention_pair_s`` (default 0, off) adds the causal attention's query-key pairs
     (``BatchShape.attention_pairs``): where a model is so small that attention dominates a long
-    prompt's later chunks (the ``cpu-tiny`` preset: an 8,192-token prompt costs ~13x a 2,048-token
+    prompt's later chunks (the ``cpu-tiny`` preset: an 8,192-token prompt costs ~16x a 2,048-token
     one on the real engine, not 4x), a prefill chunk deep into a prompt costs more than the first.
     """
 
