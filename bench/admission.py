@@ -1072,6 +1072,7 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "shape": "shared" if cfg.shared and cfg.gated and cfg.replicas > 1 else "sidecar",
         "ledger": cfg.ledger if cfg.gated else None,
         "engine": cfg.engine,
+        "sim_preset": None if cfg.real else cfg.scenario_def.preset,  # enginesim --preset (the geometry and costs)
         "text": cfg.text,
         "tokenizer": cfg.tokenizer if not cfg.real else "engine",  # a real engine's prompts: sized by its /tokenize
         **({"output_len": cfg.output_len} if cfg.output_len else {}),
@@ -1191,7 +1192,8 @@ def _fmt(value: float | None, width: int = 8) -> str:
 
 def render_run(result: dict[str, Any]) -> str:
     lines = [
-        f"scenario {result['scenario']}  engine {result['engine']}  mode {result['mode']}  "
+        f"scenario {result['scenario']}  engine {result['engine']}"
+        + (f" (preset {result['sim_preset']})" if result.get("sim_preset") else "") + f"  mode {result['mode']}  "
         f"replicas {result['replicas']}  "
         f"time scale {result['time_scale']:g}  seed {result['seed']}  text {result.get('text')}  "
         f"tokenizer {result.get('tokenizer')}",
@@ -1433,10 +1435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine_url is not None:
         args.engine = REAL_ENGINE
     real = args.engine == REAL_ENGINE
-    if real != SCENARIOS[args.scenario].real:
-        names = ", ".join(sorted(n for n, s in SCENARIOS.items() if s.real == real))
-        parser.error(f"--scenario {args.scenario} is for {'the simulator' if not real else 'a real engine'}; "
-                     f"with {'--engine real / --engine-url' if real else 'the simulator'} use one of: {names}")
+    # a real-* scenario also runs on the simulator (its preset, cpu-tiny, is the real engine's
+    # geometry and costs: the fidelity check); the simulator's scenarios need its /control endpoints
+    if real and not SCENARIOS[args.scenario].real:
+        names = ", ".join(sorted(n for n, s in SCENARIOS.items() if s.real))
+        parser.error(f"--scenario {args.scenario} is for the simulator; with --engine real / --engine-url "
+                     f"use one of: {names}")
     if real:
         if args.all:
             parser.error("--all is for the simulator; on a real engine run --mode none and --mode full one by one")

@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from enginesim.config import CPU_TINY_OUTPUT_LEN
 from extproc.tokenizer import DEFAULT_TOKENIZER
 
 from .text import DEFAULT_TEXT, sized_content
@@ -122,7 +123,8 @@ class Scenario:
     # vllm-builtin's --max-num-queued-reqs, where the gate is bound by KV rather than max in-flight
     builtin_queued_reqs: int | None = None
     # for the real vLLM (bench.admission --engine real / --engine-url): wall clock, prompts sized
-    # on the engine's own tokenizer; the simulator's scenarios refuse it and these the simulator
+    # on the engine's own tokenizer; the simulator's scenarios refuse it. These also run on the
+    # simulator (preset cpu-tiny, the real engine's geometry and costs): the fidelity check.
     real: bool = False
     spacing: float | None = None  # a burst's default spacing, engine seconds (None: LoadShape's 0.5)
 
@@ -231,23 +233,26 @@ SCENARIOS: dict[str, Scenario] = {
         # offsets and deadlines below are wall seconds. Each runs in at most ~3 minutes here.
         Scenario("real-decode", "10 streaming chats (1,500-token prompt, max_tokens 6,000, ignore_eos) in a burst: "
                  "decode-heavy to the limit; four running need 30,000 tokens of KV against 20,480",
-                 seed=41, build=_burst({"decode": 10}), time_scale=1.0, real=True),
+                 seed=41, build=_burst({"decode": 10}), time_scale=1.0, real=True, preset="cpu-tiny"),
         Scenario("real-decode-eos", "real-decode with max_tokens 8,000 and natural ends: each chat ends where the "
                  "random-weight model samples its end token (lengths vary; none reaches its limit by design)",
-                 seed=41, build=_burst({"decode-eos": 10}), time_scale=1.0, real=True),
+                 seed=41, build=_burst({"decode-eos": 10}), time_scale=1.0, real=True, preset="cpu-tiny",
+                 # on the simulator: the real model's measured output lengths (enginesim/config.py, cpu-tiny)
+                 sim_args=("--output-len", CPU_TINY_OUTPUT_LEN)),
         Scenario("real-burst", "the seed's long-prompt burst on the real engine: 2 x 8k + 15 x 1k prompts "
                  "(reference-65k scaled to 20,480 KV tokens; 33,216 tokens of need in all), 50 ms apart",
                  # a 1k request takes ~0.2 s here: 0.5 s apart they would never meet
                  # queue depth 16, as the simulator's bursts are measured: 17 requests, none turned away
                  seed=65, build=_burst({"long": 2, "mid": 15}), time_scale=1.0, real=True, spacing=0.05,
-                 limits=(("queue_depth", 16),)),
+                 limits=(("queue_depth", 16),), preset="cpu-tiny"),
         Scenario("real-overload", "RAG requests (4,000-token prompt, 64 generated) at ~1.5x what the real engine "
                  "prefills (Poisson, 6/s for 30 s); each client gives up after 20 s",
                  seed=33, build=_poisson("rag", 6.0, 30.0), time_scale=1.0, deadline=20.0,
-                 limits=(("park_cap", 20.0),), real=True),
+                 limits=(("park_cap", 20.0),), real=True, preset="cpu-tiny"),
         Scenario("real-short", "40 short chats (32-token prompt, 16 tokens, ignore_eos) from 8 clients back to back: "
                  "the shortest real-engine scenario (the smoke test's)",
-                 seed=11, build=_closed_loop("chat", 40), time_scale=1.0, concurrency=8, real=True),
+                 seed=11, build=_closed_loop("chat", 40), time_scale=1.0, concurrency=8, real=True,
+                 preset="cpu-tiny"),
     )
 }
 

@@ -97,7 +97,7 @@ def _by_preset(key: str) -> str:
     return f"default: the preset's; {values}"
 
 
-LINEAR_COST_FLAGS = ("per_prefill_token_s", "per_decode_seq_s")
+LINEAR_COST_FLAGS = ("per_prefill_token_s", "per_decode_seq_s", "per_attention_pair_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
              "sequence whatever the batch); 'h100-llama8b' is Llama-3.1-8B BF16 on one H100 "
              "80GB (27800 blocks x 16, max_num_seqs 1024, token budget 8192, memory-bound "
              "cost: a step reads the weights once plus every sequence's KV, so a lone "
-             "sequence decodes at ~143 tok/s and 64 at ~4,770 tok/s)")
+             "sequence decodes at ~143 tok/s and 64 at ~4,770 tok/s); 'cpu-tiny' is the real vLLM "
+             "CPU build of `realengine` (640 blocks x 32, max_num_seqs 4, token budget 2048, "
+             "max_model_len 16384), its linear cost (with an attention term) fitted to "
+             "`bench.calibrate_real`")
     add("--num-gpu-blocks", type=_positive_int, default=None,
         help=f"KV cache blocks per engine rank, including vLLM's reserved null block "
              f"({_by_preset('num_gpu_blocks')})")
@@ -158,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--per-decode-seq-s", type=_non_negative_float, default=None,
         help=f"linear cost model only: engine seconds per decoding sequence in a step "
              f"({_by_preset('per_decode_seq_s')})")
+    add("--per-attention-pair-s", type=_non_negative_float, default=None,
+        help=f"linear cost model only: engine seconds per query-key pair of causal attention in a "
+             f"step, so a prefill chunk deep into a long prompt costs more ({_by_preset('per_attention_pair_s')}; "
+             f"else 0)")
     add("--tokenizer", choices=TOKENIZERS, default=None,
         help=f"how prompt tokens are counted, as vLLM's usage.prompt_tokens counts them: a real "
              f"vocabulary and its chat template (per message, generation prompt, tools block); "
@@ -211,6 +218,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             flag = "--" + given[0].replace("_", "-")
             raise ValueError(f"{flag} applies to the linear cost model; preset {args.preset} "
                              "uses the memory-bound one")
+    if memory_bound is None:
+        preset.setdefault("per_attention_pair_s", 0.0)  # only cpu-tiny's model needs the term
     for key in preset:
         value = getattr(args, key, None)
         if value is not None:
@@ -221,7 +230,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     else:
         cost = CostModel(step_overhead_s=preset["step_overhead_s"],
                          per_prefill_token_s=preset["per_prefill_token_s"],
-                         per_decode_seq_s=preset["per_decode_seq_s"])
+                         per_decode_seq_s=preset["per_decode_seq_s"],
+                         per_attention_pair_s=preset["per_attention_pair_s"])
     scheduler = SchedulerConfig(
         num_gpu_blocks=preset["num_gpu_blocks"], block_size=preset["block_size"],
         max_num_seqs=preset["max_num_seqs"],

@@ -3,7 +3,7 @@
 Engine profile (``--profile``, ``SimConfig.profile``): ``vllm-0.33`` (the default) or
 ``vllm-0.11``; what each does is in ``scheduler.PROFILES`` and enginesim/README.md.
 
-Three presets (geometry and step cost):
+Four presets (geometry and step cost):
 
 - ``small`` (the default): a tiny, fast engine for tests. 512 blocks x 16 tokens,
   max_num_seqs 4, token budget 2048, max_model_len 4096; a step costs 1 ms plus 10 us per
@@ -37,6 +37,32 @@ Three presets (geometry and step cost):
   * max_num_seqs 1024 and max_num_batched_tokens 8192: vLLM 0.33's OpenAI-server defaults
     for a >= 70 GiB non-A100 GPU (vllm/engine/arg_utils.py get_batch_defaults; 2048/256
     below 70 GiB, 16384/1024 at >= 160 GiB); max_model_len 131072 (the model's context).
+- ``cpu-tiny``: the real vLLM of ``realengine`` (vLLM 0.32 CPU build, a random-weight 2-layer
+  Llama, hidden 128, vocabulary 4,096) on this project's 2-core machines. Geometry as
+  realengine starts it: 640 blocks x 32 tokens (20,448 usable: one is vLLM's null block),
+  max_num_seqs 4, token budget 2048, max_model_len 16384. Linear cost with an attention term
+  (scheduler.CostModel), fitted by ``python -m bench.calibrate_real --engine-url URL --repeats 3
+  --decode-tokens 512 --eos 12`` (2026-12-02, load average 19-25 on 2 cores: another vLLM and
+  four engineers' tests beside it, so every figure is stretched and noisy; medians over 3):
+
+  * decode step (engine ``vllm:inter_token_latency_seconds``, 512 tokens per sequence, contexts
+    32 and 1,500 pooled): B=1 3.9 ms (runs 3.7-10.0), B=2 5.6 ms (3.5-37.7), B=3 5.1 ms
+    (3.8-10.1), B=4 6.5 ms (4.3-15.7); least squares over the medians: ``step_overhead_s``
+    3.44 ms + ``per_decode_seq_s`` 0.73 ms per sequence (~240 tok/s alone, ~620 with four; the
+    fastest runs, 3.7 and 4.3 ms, are the ~290 and ~930 tok/s of an idle machine);
+  * prefill (engine ``vllm:request_prefill_time_seconds``, one prompt at a time, median of 3):
+    256 tokens 8.8 ms, 512 15.3 ms, 1,024 26 ms, 2,048 65 ms, 4,096 0.23 s, 8,192 1.04 s
+    (runs 0.85-5.8 s): superlinear, so beside ``per_prefill_token_s`` 18.4 us the model
+    counts ``per_attention_pair_s`` 17.1 ns per causal query-key pair (a model this small
+    spends most of a long prompt in attention). Fitted on relative error: within 20 % of the
+    medians from 256 to 4,096 tokens, 29 % under at 8,192 (0.74 s);
+  * output length (``CPU_TINY_OUTPUT_LEN``, real-decode-eos's ``--output-len``): 12 chats of
+    1,500 prompt tokens, max_tokens 8,000, natural end, gave 271, 556, 1,423, 1,464, 1,628,
+    3,030, 3,434, 4,146, 5,983, 7,993 and two at the 8,000 limit (the engine's
+    ``vllm:request_generation_tokens`` histogram: the same 12, mean 3,827). A random-weight
+    model samples nearly uniformly over its 4,096-token vocabulary, so its end token comes with
+    probability ~1/4,096 per token: a geometric length of mean 4,096 (the censored sample's
+    maximum-likelihood mean is 45,928 / 10 = 4,593, within its spread).
 """
 
 from __future__ import annotations
@@ -49,7 +75,10 @@ from .metrics import DIALECTS
 from .outputs import OutputLenModel
 from .scheduler import PROFILES, CostModel, SchedulerConfig
 
-__all__ = ["PRESETS", "SimConfig", "DP_ROUTING"]
+__all__ = ["CPU_TINY_OUTPUT_LEN", "PRESETS", "SimConfig", "DP_ROUTING"]
+
+#: Where the cpu-tiny model ends a generation on its own (--output-len), measured (see above).
+CPU_TINY_OUTPUT_LEN = "geometric:4096"
 
 DP_ROUTING = ("round-robin", "least-loaded")
 
@@ -159,6 +188,17 @@ PRESETS: dict[str, dict[str, object]] = {
         "step_overhead_s": CostModel.step_overhead_s,
         "per_prefill_token_s": CostModel.per_prefill_token_s,
         "per_decode_seq_s": CostModel.per_decode_seq_s,
+    },
+    "cpu-tiny": {
+        "num_gpu_blocks": 640,
+        "block_size": 32,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 2048,
+        "max_model_len": 16384,
+        "step_overhead_s": 0.003438,
+        "per_prefill_token_s": 1.84e-05,
+        "per_decode_seq_s": 0.00073,
+        "per_attention_pair_s": 1.71e-08,
     },
     "h100-llama8b": {
         "num_gpu_blocks": 27800,

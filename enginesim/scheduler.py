@@ -155,29 +155,37 @@ class CostModel:
     65,536-token prompt takes 32 such steps, ~125 s, and its recompute after a preemption
     costs the same again. Every decoding sequence costs the same, so batching buys (almost)
     no throughput: that is what ``MemoryBoundCostModel`` corrects.
+
+    ``per_attention_pair_s`` (default 0, off) adds the causal attention's query-key pairs
+    (``BatchShape.attention_pairs``): where a model is so small that attention dominates a long
+    prompt's later chunks (the ``cpu-tiny`` preset: an 8,192-token prompt costs ~16x a 2,048-token
+    one on the real engine, not 4x), a prefill chunk deep into a prompt costs more than the first.
     """
 
     step_overhead_s: float = 0.020
     per_prefill_token_s: float = 0.0019
     per_decode_seq_s: float = 0.01333
+    per_attention_pair_s: float = 0.0
 
     kind = "linear"
 
-    def step_duration(self, prefill_tokens: int, decode_seqs: int) -> float:
+    def step_duration(self, prefill_tokens: int, decode_seqs: int, attention_pairs: int = 0) -> float:
         """Engine seconds for a step with this batch composition."""
         return (
             self.step_overhead_s
             + prefill_tokens * self.per_prefill_token_s
             + decode_seqs * self.per_decode_seq_s
+            + attention_pairs * self.per_attention_pair_s
         )
 
     def duration(self, shape: BatchShape) -> float:
-        return self.step_duration(shape.prefill_tokens, shape.decode_seqs)
+        return self.step_duration(shape.prefill_tokens, shape.decode_seqs, shape.attention_pairs)
 
     def describe(self) -> str:
         return (f"cost=linear step_overhead_s={self.step_overhead_s:g} "
                 f"per_prefill_token_s={self.per_prefill_token_s:g} "
-                f"per_decode_seq_s={self.per_decode_seq_s:g}")
+                f"per_decode_seq_s={self.per_decode_seq_s:g}"
+                + (f" per_attention_pair_s={self.per_attention_pair_s:g}" if self.per_attention_pair_s else ""))
 
 
 @dataclass(frozen=True)

@@ -170,12 +170,22 @@ def test_fault_and_ledger_options_are_refused_where_they_mean_nothing() -> None:
 
 @pytest.mark.parametrize(("args", "says"), [
     (("--scenario", "smoke", "--engine-url", "http://127.0.0.1:9"), "with --engine real / --engine-url use one of"),
-    (("--scenario", "real-short"), "with the simulator use one of"),
     (("--scenario", "real-short", "--engine", "real", "--replicas", "2"), "one replica"),
 ])
-def test_the_real_engine_and_the_simulator_keep_to_their_own_scenarios(args: tuple[str, ...], says: str) -> None:
+def test_the_real_engine_refuses_the_simulators_scenarios(args: tuple[str, ...], says: str) -> None:
     # refused with a clear message before anything starts (no engine answers at port 9)
     proc = subprocess.run([sys.executable, "-m", "bench.admission", "--mode", "none", "--quiet", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
+
+
+def test_a_real_engine_scenario_runs_on_the_simulator_with_the_real_engines_preset() -> None:
+    # the fidelity check: the same load on enginesim's cpu-tiny (the real engine's geometry and
+    # fitted costs), on the wall clock as on the real engine
+    result, table = run_bench("--mode", "full", "--count", "12", "--concurrency", "4", scenario="real-short")
+    assert (result["engine"], result["sim_preset"], result["time_scale"]) == ("vllm-0.33", "cpu-tiny", 1.0)
+    assert (result["requests"], result["completed"]) == (12, 12)
+    assert result["finish_reasons"] == {"length": 12}  # ignore_eos: every chat runs to its 16 tokens
+    assert result["output_tokens_per_s"] > 0 and result["ttft_p50"]["chat"] is not None
+    assert "times in engine seconds" in table
