@@ -22,7 +22,8 @@ FIELDS = (
     "preemptions", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95", "max_engine_waiting",
     "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s", "stale_transitions",
     "ttft_p90", "throughput_rps", "held_s", "parked_while_free_s", "engine", "gave_up", "goodput",
-    "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens",
+    "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens", "policy", "prefill_tokens",
+    "recomputed_tokens",
 )
 
 
@@ -179,3 +180,16 @@ def test_the_real_engine_and_the_simulator_keep_to_their_own_scenarios(args: tup
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
+
+
+def test_recomputed_tokens_account_exactly_for_what_preemptions_made_the_engine_compute_again() -> None:
+    # 33 usable blocks of 16 tokens on the legacy engine: two 256-token prompts fill 32, and each
+    # one's 17th block preempts the other, which then computes its 256 tokens again.
+    result, table = run_bench("--mode", "none", "--engine", "vllm-0.11", "--sim-arg=--num-gpu-blocks=34",
+                              "--sim-arg=--max-model-len=512")
+    assert result["preemptions"] > 0 and result["completed"] == 6
+    assert result["prefill_tokens"] == 6 * 256  # vllm:prompt_tokens_total: each prompt once
+    assert result["recomputed_tokens"] == 256 * result["preemptions"]
+    # everything the engine computed: each prompt once, the recompute, 15 decoded tokens each
+    assert result["engine_computed_tokens"] == result["prefill_tokens"] + result["recomputed_tokens"] + 6 * 15
+    assert f"recomputed tokens {result['recomputed_tokens']} of 1536 prefilled" in table
