@@ -193,3 +193,18 @@ def test_recomputed_tokens_account_exactly_for_what_preemptions_made_the_engine_
     # everything the engine computed: each prompt once, the recompute, 15 decoded tokens each
     assert result["engine_computed_tokens"] == result["prefill_tokens"] + result["recomputed_tokens"] + 6 * 15
     assert f"recomputed tokens {result['recomputed_tokens']} of 1536 prefilled" in table
+
+
+def test_a_run_whose_requests_reach_the_engine_out_of_order_fails_and_says_what_to_change() -> None:
+    # K = 1000 and 1 us of wall time between sends: the 8k bodies (~32 KB) overtake the 65k ones
+    # (~280 KB) through Envoy, and the engine sees another load (0 preemptions instead of 20).
+    # Exit status 3 exactly when the order was lost (a machine fast enough to keep it passes 0).
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.admission", "--scenario", "three-65k", "--mode", "none", "--engine",
+         "vllm-0.11", "--time-scale", "1000", "--spacing", "0.001", "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # the figures are still printed
+    assert proc.returncode == (0 if result["arrival_order_kept"] else 3), proc.stderr[-4000:]
+    if proc.returncode == 3:
+        assert f"another order than they were sent ({result['engine_arrival_order']})" in proc.stderr
+        assert "--time-scale" in proc.stderr and "--allow-reordered" in proc.stderr
