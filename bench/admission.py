@@ -1042,18 +1042,23 @@ def recompute_report(records: Sequence[RequestRecord], recomputed: int | None, p
 
 
 def goodput_bound_report(records: Sequence[RequestRecord], deadline: float | None, lanes: int | None,
-                         kv_tokens: int | None, k: float) -> dict[str, Any]:
+                         kv_tokens: int | None, k: float, prefill_work: int | None = None) -> dict[str, Any]:
     """`goodput_bound` (bench.goodput): the share of the run's requests an idealised engine with
     the run's own measured prefill and decode rates, `lanes` sequences at once and `kv_tokens` of
     KV would finish within their deadlines (`deadline`, wall seconds after sending), scheduled
     earliest-deadline-first. Each request's output is what it generated where it completed, else
-    its max_tokens. Only for scenarios with client deadlines; None where the run gives no rates."""
+    its max_tokens. `prefill_work`: the prompt (and recompute) tokens the engine computed over the
+    run, for its achieved prefill rate. Only for scenarios with client deadlines; None where the
+    run gives no rates."""
     if deadline is None or not lanes or not kv_tokens:
         return {}
     done = [((r.prompt_tokens or r.spec.prompt_tokens), r.tokens, r.ttft, r.e2e) for r in records
             if r.outcome == "completed" and r.ttft is not None and r.e2e is not None]
+    sends = [r.sent for r in records if r.sent is not None]
+    firsts = [r.first_token for r in records if r.first_token is not None]
+    span = max(firsts) - min(sends) if sends and firsts else None
     cap = measured_capacity([(p, o, t, e) for p, o, t, e in done if t is not None and e is not None], lanes,
-                            kv_tokens)
+                            kv_tokens, prefill_work, span)
     if cap is None:
         return {"goodput_bound": None}
     jobs = [Job(r.sent, r.sent + deadline, r.prompt_tokens or r.spec.prompt_tokens,
@@ -1136,7 +1141,11 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
             run["occupancy"]["max_num_seqs"] if run["occupancy"] is not None
             else (getattr(sampler, "max_running", 0) or None),
             run["occupancy"]["capacity_tokens"] if run["occupancy"] is not None
-            else (engine_counters or {}).get("kv_tokens") or None, k),
+            else (engine_counters or {}).get("kv_tokens") or None, k,
+            # the engine's prefill work: a real engine's prompt counter (first prefills only);
+            # the simulator's computed tokens less the decode steps (prompts and recompute)
+            engine_counters["prompt_tokens"] if engine_counters is not None
+            else engine_computed - sum(max(0, r.tokens - 1) for r in records)),
         # engine seconds from send to the answer, for requests turned away (503 and the like)
         "rejected_answer_p50": _r(percentile(answered_no, 0.50), 3),
         "rejected_answer_p95": _r(percentile(answered_no, 0.95), 3),

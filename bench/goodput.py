@@ -99,20 +99,24 @@ def edf_goodput(jobs: Sequence[Job], cap: Capacity, max_events: int = 1_000_000)
     raise RuntimeError(f"edf_goodput: no end after {max_events} events")
 
 
-def measured_capacity(completed: Sequence[tuple[int, int, float, float]], lanes: int, kv_tokens: int
-                      ) -> Capacity | None:
-    """The run's own prefill and decode rates from its completed requests, each given as
-    (prompt tokens, output tokens, TTFT s, e2e s), on the engine's clock:
+def measured_capacity(completed: Sequence[tuple[int, int, float, float]], lanes: int, kv_tokens: int,
+                      prefill_work: int | None = None, prefill_span_s: float | None = None) -> Capacity | None:
+    """The run's own prefill and decode rates, on the engine's clock. `completed`: each completed
+    request's (prompt tokens, output tokens, TTFT s, e2e s).
 
-    - prefill rate: the fastest prompt / TTFT any request saw (the one that queued least; its
-      TTFT still includes its transit and a first decode step, so this errs low by those);
-    - decode rate at full batch: the slowest per-sequence decode rate (output - 1) / (e2e - TTFT)
-      any request with more than one output token saw (the one that shared its steps with the most
-      others) times `lanes`.
+    - prefill rate: the larger of the engine's prefill work over the run (`prefill_work` tokens:
+      prompts and recompute, in `prefill_span_s` seconds from the first send to the last first
+      token: what an engine kept busy prefilling achieves, its decode steps included) and the
+      fastest prompt / TTFT any one request saw (the one that queued least);
+    - decode rate: the fastest per-sequence rate (output - 1) / (e2e - TTFT) any request with more
+      than one output token saw, in each of `lanes` lanes (the idealisation: decode never slows
+      prefill, so the least-disturbed decode is the lane's rate).
 
     None where no completed request allows a figure."""
     prefill = [p / ttft for p, _, ttft, _ in completed if ttft > 0 and p > 0]
+    if prefill_work and prefill_span_s and prefill_span_s > 0:
+        prefill.append(prefill_work / prefill_span_s)
     decode = [(o - 1) / (e2e - ttft) for _, o, ttft, e2e in completed if o > 1 and e2e > ttft]
     if not prefill or not decode:
         return None
-    return Capacity(max(prefill), min(decode) * lanes, lanes, kv_tokens)
+    return Capacity(max(prefill), max(decode) * lanes, lanes, kv_tokens)

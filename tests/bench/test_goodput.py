@@ -71,14 +71,23 @@ def test_the_bound_never_exceeds_the_requests_nor_what_each_alone_could_do(raw, 
     assert 0 <= n <= alone <= len(jobs)
 
 
-def test_measured_capacity_takes_the_fastest_prefill_and_the_slowest_decode():
+def test_measured_capacity_takes_the_fastest_prefill_and_the_least_disturbed_decode():
     completed = [(4000, 64, 0.5, 1.5), (4000, 64, 2.0, 5.0), (4000, 1, 8.0, 8.0)]
     cap = measured_capacity(completed, lanes=4, kv_tokens=20_480)
     assert cap is not None
-    assert cap.prefill_tokens_per_s == 8000.0
-    assert cap.decode_tokens_per_s == pytest.approx(63 / 3.0 * 4)
+    assert cap.prefill_tokens_per_s == 8000.0  # 4,000 tokens in the quickest TTFT, 0.5 s
+    assert cap.decode_tokens_per_s == pytest.approx(63 / 1.0 * 4)  # 63 tokens in 1 s, per lane
     assert (cap.lanes, cap.kv_tokens) == (4, 20_480)
     assert measured_capacity([], 4, 100) is None
+
+
+def test_an_engine_kept_busy_prefilling_measures_its_rate_by_the_work_it_did():
+    # under overload every TTFT holds a long queue; the engine's own work over the run does not
+    completed = [(4000, 64, 10.0, 12.0)]
+    cap = measured_capacity(completed, lanes=4, kv_tokens=20_480, prefill_work=1_000_000, prefill_span_s=50.0)
+    assert cap is not None and cap.prefill_tokens_per_s == 20_000.0
+    # where one request's prompt / TTFT is faster, that stands
+    assert measured_capacity(completed, 4, 20_480, prefill_work=100, prefill_span_s=50.0).prefill_tokens_per_s == 400.0
 
 
 def dataclass_replace(cap: Capacity, **changes: float | int) -> Capacity:
