@@ -180,20 +180,17 @@ class BenchConfig:
         return env
 
     def effective_policy(self) -> str | None:
-        """The policy the service runs: --policy, else its own default (the `admission_policy`
-        setting where the service has one; a service without it admits as `strict` does).
-        None for the ungated modes."""
+        """The policy the service runs: --policy, else its default (the ADMISSION_POLICY row of
+        extproc/settings_table.py). A service without that setting ignores the variable and admits
+        as `strict` does, whatever --policy says. None for the ungated modes."""
         if not self.gated:
             return None
-        if self.policy is not None:
-            return self.policy
-        from extproc.config import load_settings
+        from extproc.settings_table import BY_ENV
 
-        try:
-            default = getattr(load_settings(self.service_env()), "admission_policy", None)
-        except (TypeError, ValueError):
-            default = None
-        return str(getattr(default, "value", default)) if default is not None else "strict"
+        row = BY_ENV.get("ADMISSION_POLICY")
+        if row is None:
+            return "strict"
+        return self.policy if self.policy is not None else str(row.default)
 
 
 @dataclass
@@ -1120,6 +1117,9 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
         "scenario": cfg.scenario,
         "mode": cfg.mode,
         "policy": cfg.effective_policy(),
+        # --policy where the service did not run it (a service without ADMISSION_POLICY)
+        **({"policy_requested": cfg.policy} if cfg.gated and cfg.policy not in (None, cfg.effective_policy())
+           else {}),
         "replicas": cfg.replicas,
         "shape": "shared" if cfg.shared and cfg.gated and cfg.replicas > 1 else "sidecar",
         "ledger": cfg.ledger if cfg.gated else None,
@@ -1563,6 +1563,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.policy is not None and not args.all and args.mode not in GATED_MODES:
         parser.error(f"--policy {args.policy} sets the admission service's policy; --mode {args.mode} has no "
                      f"admission service (use --mode {' or '.join(GATED_MODES)})")
+    if args.policy is not None:
+        from extproc.settings_table import BY_ENV
+
+        if "ADMISSION_POLICY" not in BY_ENV:
+            print(f"warning: this service has no ADMISSION_POLICY setting: --policy {args.policy} runs as strict "
+                  "(the JSON's policy says strict, policy_requested what was asked)", file=sys.stderr)
     if args.engine == "vllm-0.11" and (args.mode == "vllm-builtin"):
         parser.error("--mode vllm-builtin needs --engine vllm-0.33 (vLLM 0.11 has no --max-num-queued-reqs)")
     if args.ledger == "redis" and args.shared:

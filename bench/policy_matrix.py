@@ -99,7 +99,10 @@ def row(c: Cell, result: dict[str, Any] | None, status: str | None = None) -> li
         recomputed += f" / {result['prefill_tokens']}"
     false_early = result.get("false_early_rejections")
     tok_s = result.get("output_tokens_per_s")
-    return [c.scenario, c.mode, "-" if tok_s is None else f"{tok_s:.1f}", goodput,
+    mode = c.mode
+    if result.get("policy_requested"):  # the service did not know the policy and ran its own
+        mode += f" (ran as {result.get('policy')})"
+    return [c.scenario, mode, "-" if tok_s is None else f"{tok_s:.1f}", goodput,
             _pair(result, "ttft_p50", "ttft_p95"), _pair(result, "e2e_p50", "e2e_p95"), str(result["preemptions"]),
             recomputed, "-" if false_early is None else str(false_early)]
 
