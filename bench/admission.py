@@ -1052,8 +1052,9 @@ def goodput_bound_report(records: Sequence[RequestRecord], deadline: float | Non
     done = [((r.prompt_tokens or r.spec.prompt_tokens), r.tokens, r.ttft, r.e2e) for r in records
             if r.outcome == "completed" and r.ttft is not None and r.e2e is not None]
     sends = [r.sent for r in records if r.sent is not None]
-    firsts = [r.first_token for r in records if r.first_token is not None]
-    span = max(firsts) - min(sends) if sends and firsts else None
+    ends = [r.finished for r in records if r.finished is not None]
+    # the engine's busy window: a request aborted mid-prefill took work after the last first token
+    span = max(ends) - min(sends) if sends and ends else None
     cap = measured_capacity([(p, o, t, e) for p, o, t, e in done if t is not None and e is not None], lanes,
                             kv_tokens, prefill_work, span)
     if cap is None:

@@ -105,8 +105,8 @@ def measured_capacity(completed: Sequence[tuple[int, int, float, float]], lanes:
     request's (prompt tokens, output tokens, TTFT s, e2e s).
 
     - prefill rate: the larger of the engine's prefill work over the run (`prefill_work` tokens:
-      prompts and recompute, in `prefill_span_s` seconds from the first send to the last first
-      token: what an engine kept busy prefilling achieves, its decode steps included) and the
+      prompts and recompute, in `prefill_span_s` seconds from the first send to the last answer:
+      what an engine kept busy prefilling achieves, its decode steps included) and the
       fastest prompt / TTFT any one request saw (the one that queued least);
     - decode rate: the fastest per-sequence rate (output - 1) / (e2e - TTFT) any request with more
       than one output token saw, in each of `lanes` lanes (the idealisation: decode never slows
