@@ -85,6 +85,7 @@ class RequestHandle:
     state: str = "queued"  # queued, waiting, running, finished, aborted
     preemptions: int = 0
     computed_tokens: int = 0  # tokens the engine computed for it (prefill, recompute, decode)
+    recomputed_tokens: int = 0  # of those, context computed again after a preemption
     tokens: asyncio.Queue[TokenOutput | None] = field(default_factory=asyncio.Queue)
     info: dict[str, Any] = field(default_factory=dict)
     arrival: dict[str, Any] = field(default_factory=dict)  # this request's /control/arrivals entry
@@ -217,6 +218,7 @@ class EngineRank:
             handle = self._handles.get(request_id)
             if handle is not None:
                 handle.computed_tokens += tokens
+                handle.recomputed_tokens += step.recomputed_tokens.get(request_id, 0)
         for request in self.scheduler.running:
             handle = self._handles.get(request.request_id)
             if handle is not None:
@@ -436,6 +438,7 @@ class Engine:
             ranks.append({"engine": rank.index, "running": running, "waiting": waiting,
                           "kv_usage": stats.kv_cache_usage, "used_blocks": stats.used_blocks,
                           "num_preemptions": rank.scheduler.num_preemptions,
+                          "recomputed_tokens": rank.scheduler.num_recomputed_tokens,
                           "max_running": rank.max_running, "max_waiting": rank.max_waiting,
                           "steps": rank.num_steps})
         return {
@@ -443,6 +446,8 @@ class Engine:
             "waiting": sum(r["waiting"] for r in ranks),
             "kv_usage": max(r["kv_usage"] for r in ranks),
             "num_preemptions": sum(r["num_preemptions"] for r in ranks),
+            # tokens of context computed again after preemptions (none of them cached on resume)
+            "recomputed_tokens": sum(r["recomputed_tokens"] for r in ranks),
             "finished": self.num_finished,
             "aborted": self.num_aborted,
             "max_running": max(r["max_running"] for r in ranks),
@@ -454,7 +459,8 @@ class Engine:
                 {"engine_request_id": h.engine_request_id,
                  "request_id": h.info.get("request_id"), "engine": h.engine_index,
                  "state": h.state, "prompt_tokens": h.prompt_tokens, "max_tokens": h.max_tokens,
-                 "preemptions": h.preemptions, "computed_tokens": h.computed_tokens}
+                 "preemptions": h.preemptions, "computed_tokens": h.computed_tokens,
+                 "recomputed_tokens": h.recomputed_tokens}
                 for h in self.requests
             ],
         }

@@ -416,6 +416,10 @@ class SimRequest:
     num_cached_blocks: int = 0  # leading blocks that carry their hash
     unreported_preemptions: int = 0  # preemptions whose event waits for the next output
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    # the most tokens of context it has ever had computed: what it computes again below this
+    # mark after a preemption is recompute (``Scheduler.num_recomputed_tokens``)
+    max_computed_tokens: int = 0
+    num_recomputed_tokens: int = 0
     deferred: bool = False  # skipped by the waiting loop (vLLM's deferred_waiting)
     serial: int = 0
 
@@ -475,6 +479,8 @@ class ScheduledStep:
     prefix_cache_hits: int = 0
     preempted_prefix_cache_queries: int = 0
     preempted_prefix_cache_hits: int = 0
+    # tokens of context (prompt and generated) computed again because of a preemption, by request
+    recomputed_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def end_time(self) -> float:
@@ -566,6 +572,9 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
         self.num_preemptions = 0
+        # tokens of context computed again after a preemption (what a prefix-cache hit on
+        # resuming saves is not counted): the cost of the engine's preemptions, in tokens
+        self.num_recomputed_tokens = 0
         self.num_finished = 0
         self.num_aborted = 0
         self._serial = 0
@@ -738,6 +747,12 @@ class Scheduler:
             before = request.num_computed_tokens
             step.kv_tokens_read += before + num_new
             step.attention_pairs += num_new * before + num_new * (num_new + 1) // 2
+            again = max(0, min(before + num_new, request.max_computed_tokens) - before)
+            if again:
+                step.recomputed_tokens[request_id] = again
+                request.num_recomputed_tokens += again
+                self.num_recomputed_tokens += again
+            request.max_computed_tokens = max(request.max_computed_tokens, before + num_new)
             request.num_computed_tokens += num_new
             request.num_in_flight_tokens += num_new
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:

@@ -23,6 +23,7 @@ FIELDS = (
     "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s", "stale_transitions",
     "ttft_p90", "throughput_rps", "held_s", "parked_while_free_s", "engine", "gave_up", "goodput",
     "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens", "false_early_rejections", "early_rejections",
+    "policy", "prefill_tokens", "recomputed_tokens",
 )
 
 
@@ -189,3 +190,31 @@ def test_a_real_engine_scenario_runs_on_the_simulator_with_the_real_engines_pres
     assert result["finish_reasons"] == {"length": 12}  # ignore_eos: every chat runs to its 16 tokens
     assert result["output_tokens_per_s"] > 0 and result["ttft_p50"]["chat"] is not None
     assert "times in engine seconds" in table
+
+
+def test_recomputed_tokens_account_exactly_for_what_preemptions_made_the_engine_compute_again() -> None:
+    # 33 usable blocks of 16 tokens on the legacy engine: two 256-token prompts fill 32, and each
+    # one's 17th block preempts the other, which then computes its 256 tokens again.
+    result, table = run_bench("--mode", "none", "--engine", "vllm-0.11", "--sim-arg=--num-gpu-blocks=34",
+                              "--sim-arg=--max-model-len=512")
+    assert result["preemptions"] > 0 and result["completed"] == 6
+    assert result["prefill_tokens"] == 6 * 256  # vllm:prompt_tokens_total: each prompt once
+    assert result["recomputed_tokens"] == 256 * result["preemptions"]
+    # everything the engine computed: each prompt once, the recompute, 15 decoded tokens each
+    assert result["engine_computed_tokens"] == result["prefill_tokens"] + result["recomputed_tokens"] + 6 * 15
+    assert f"recomputed tokens {result['recomputed_tokens']} of 1536 prefilled" in table
+
+
+def test_a_run_whose_requests_reach_the_engine_out_of_order_fails_and_says_what_to_change() -> None:
+    # K = 1000 and 1 us of wall time between sends: the 8k bodies (~32 KB) overtake the 65k ones
+    # (~280 KB) through Envoy, and the engine sees another load (0 preemptions instead of 20).
+    # Exit status 3 exactly when the order was lost (a machine fast enough to keep it passes 0).
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.admission", "--scenario", "three-65k", "--mode", "none", "--engine",
+         "vllm-0.11", "--time-scale", "1000", "--spacing", "0.001", "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # the figures are still printed
+    assert proc.returncode == (0 if result["arrival_order_kept"] else 3), proc.stderr[-4000:]
+    if proc.returncode == 3:
+        assert f"another order than they were sent ({result['engine_arrival_order']})" in proc.stderr
+        assert "--time-scale" in proc.stderr and "--allow-reordered" in proc.stderr

@@ -165,6 +165,44 @@ def test_preempted_request_recomputes_prompt_and_generated_tokens_from_zero():
     assert b.num_output_tokens == 4  # the recompute step samples the 4th token
 
 
+def test_recompute_after_a_preemption_is_counted_exactly_as_the_context_computed_again():
+    # 0.11: no prefix cache. "b" held 8 computed tokens (6 prompt + 2 generated; its 3rd
+    # generated token had no KV yet) when it was preempted; resuming computes 9, of which the
+    # first 8 are recompute and the 9th is new work.
+    sched = two_full_requests("vllm-0.11")
+    run_to_completion(sched)
+    assert sched.num_preemptions == 1
+    assert sched.num_recomputed_tokens == 8
+
+
+def test_no_preemption_no_recompute():
+    sched = make(num_gpu_blocks=101, budget=16)
+    sched.add_request("a", prompt_tokens=20, max_tokens=5, arrival_time=0.0)
+    sched.add_request("b", prompt_tokens=30, max_tokens=5, arrival_time=0.0)
+    run_to_completion(sched)
+    assert sched.num_preemptions == 0 and sched.num_recomputed_tokens == 0
+
+
+def test_a_prefix_cache_hit_on_resuming_is_not_recompute():
+    # 0.33: "b"'s freed blocks keep their hashes; where none was evicted, resuming computes
+    # only what the cache lacks, and only that counts.
+    sched = two_full_requests("vllm-0.33")
+    recomputed_by_step = 0
+    now = 0.0
+    for _ in range(10_000):
+        if not sched.has_unfinished:
+            break
+        step, _ = sched.step(now)
+        recomputed_by_step += sum(step.recomputed_tokens.values())
+        now = step.end_time
+    assert sched.num_preemptions >= 1
+    assert recomputed_by_step == sched.num_recomputed_tokens
+    b = sched.get("b")
+    assert b is None  # finished
+    # never more than the context it held when preempted (6 prompt + up to 10 generated)
+    assert 0 <= sched.num_recomputed_tokens <= 16 * sched.num_preemptions
+
+
 def test_request_that_is_the_last_admitted_preempts_itself():
     sched = make(num_gpu_blocks=5, block_size=4, budget=16, max_model_len=16)
     sched.add_request("a", prompt_tokens=5, max_tokens=4, arrival_time=0.0)
@@ -371,3 +409,5 @@ def test_random_workloads_respect_limits_and_drain(profile, ops, num_gpu_blocks,
     assert not sched.has_unfinished
     assert sched.num_finished + sched.num_aborted == len(added)
     assert sched.used_blocks == 0
+    if sched.num_preemptions == 0:  # recompute happens only because of a preemption
+        assert sched.num_recomputed_tokens == 0
