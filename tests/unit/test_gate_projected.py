@@ -42,6 +42,7 @@ class Run:
     tickets: dict[int, Ticket] = field(default_factory=dict)
     generated: tuple[float, float] = (0.0, 0.0)  # finished requests' tokens and count, as vLLM's histogram
     peak_running: int = 0
+    makespan: float = 0.0  # engine seconds until the last request finished
     rules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -82,6 +83,7 @@ class Run:
             self.send([decision], now)
         for _ in range(max_steps):
             if not self.sched.has_unfinished and not self.gate.queue_depth:
+                self.makespan = now
                 return self.sched.num_preemptions
             _, out = self.sched.step(now)
             now = out.end_time
@@ -176,3 +178,17 @@ def test_the_ledger_carries_the_learned_lengths_hit_rate_and_preemptions() -> No
     assert rebuilt.to_state() == gate.to_state()
     assert (rebuilt.prefix_hit_rate, rebuilt.preempted) == (0.75, 2.0)
     assert rebuilt.length_model() == gate.length_model() and rebuilt.find(ticket.id).policy == ticket.policy
+
+
+def test_what_the_progress_estimate_misses_is_not_charged_twice() -> None:
+    """Unknown decode rate: the projection takes the open request as having generated nothing (and
+    running to its limit); the 150 tokens the scrape shows it has generated must not ALSO count as
+    others' use, or a request that fits is parked."""
+    gate = EngineGate(PROJECTED)
+    _measured(gate, 100.0)  # a prefill rate, no decode rate
+    first = gate.arrive(Ticket(model="m", arrived=1.0, tokens=220, generation=200), 1.0)
+    assert first.ticket.policy == "projected"
+    gate.observe(EngineSnapshot(1, 0, (20 + 150) / CAPACITY, 5.0, CAPACITY, BLOCK, generated_count=0.0,
+                                generated_sum=0.0), 5.0)
+    second = gate.arrive(Ticket(model="m", arrived=5.0, tokens=80, generation=60), 5.0)
+    assert (second.outcome, second.ticket.policy) == (Outcome.ADMITTED, "projected")
