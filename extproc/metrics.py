@@ -149,7 +149,7 @@ class Metrics:
             "(NaN otherwise).", ["engine"], registry=r)
         self.engine_preemptions = Gauge(
             "admission_engine_preemptions",
-            "Preemptions the engine counted between its last two scrapes (vllm:num_preemptions).",
+            "Preemptions the engine counted between its last two scrapes (its preemption counter).",
             ["engine"], registry=r)
         self.engine_done = Gauge(
             "admission_engine_done_requests",
