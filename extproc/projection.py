@@ -83,7 +83,8 @@ class HistogramLength:
     linear within a bucket (mass spread evenly between its bounds); the answer is rounded up, and
     a quantile that falls in the +Inf bucket, or beyond the last finite bound, is the limit. The
     conditioning mass below `generated` is read from the same interpolation; rounding the answer up
-    keeps the error on the side of a longer generation."""
+    keeps the error on the side of a longer generation. A request that has outlived every length
+    the distribution holds runs to its limit."""
 
     edges: tuple[float, ...]
     counts: tuple[float, ...]
@@ -118,6 +119,8 @@ class HistogramLength:
         if generated >= limit or total <= 0:
             return max(limit, generated)
         below = self._cdf(max(0, generated - 1))  # P(X < generated): the requests already ruled out
+        if total - below <= 1e-9 * total:
+            return limit  # it has outlived every request the engine has seen: nothing says when it ends
         target = below + q * (total - below)
         mass, low = 0.0, 0.0
         for edge, count in zip(self.edges, self.counts, strict=True):
