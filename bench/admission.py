@@ -595,6 +595,49 @@ def wait_bound_report(records: Sequence[RequestRecord], gateway: dict[str, Any] 
     return out
 
 
+def false_early_rejections(records: Sequence[RequestRecord], park_cap: float, k: float) -> dict[str, Any]:
+    """Early answers (`expected_wait_too_long`) that turned away a request which would have started
+    within its park cap, by a test on the run's own data (bench/README.md, "False early rejections").
+
+    Request R, sent at s and answered early, with park cap c (engine seconds), is a FALSE early
+    rejection when either witness exists:
+
+    - `later`: some request Q sent after R, whose class needs no less KV (prompt + max_tokens) than
+      R's, had its first token before s + c: the gate admits in FIFO order and R, parked ahead of
+      Q, needed no more than Q did, so R would have been admitted no later than Q, within its cap.
+      Q's first token is later than its admission, so the test only undercounts. Backfill (a small
+      request passing a KV-blocked head) is why Q must be no smaller than R.
+    - `drained`: every request sent before R that the engine served had ended before s + c (and
+      at least one did): by then nothing ahead of R held the engine (the benchmark is its only
+      client), so R, which fits the engine's capacity (else it is `exceeds_kv_capacity`), would
+      have been admitted; what came after R cannot delay it in FIFO order.
+    """
+    def cost(r: RequestRecord) -> int:
+        return r.spec.prompt_tokens + r.spec.max_tokens
+
+    early = [r for r in records if r.reason == "expected_wait_too_long" and r.sent is not None]
+    false = []
+    for r in early:
+        assert r.sent is not None
+        before = r.sent + park_cap / k
+        witness = next((q for q in records if q.spec.index > r.spec.index and q.sent is not None
+                        and q.sent >= r.sent and cost(q) >= cost(r) and q.first_token is not None
+                        and q.first_token < before), None)
+        if witness is not None:
+            false.append({"i": r.spec.index, "cls": r.spec.cls.name, "witness": "later", "q": witness.spec.index,
+                          "started_after_s": _r((witness.first_token - r.sent) * k)
+                          if witness.first_token is not None else None})
+            continue
+        ahead = [q for q in records if q.spec.index < r.spec.index and q.first_token is not None]
+        ends = [q.finished for q in ahead]
+        if ahead and all(end is not None and end < before for end in ends):
+            last = max(end for end in ends if end is not None)
+            false.append({"i": r.spec.index, "cls": r.spec.cls.name, "witness": "drained",
+                          "drained_after_s": _r((last - r.sent) * k)})
+    return {"false_early_rejections": len(false), "early_rejections": len(early),
+            "false_early_rejection_cases": false}
+
+
 def engine_preemptions(engine_url: str) -> int:
     """The engine's own `vllm:num_preemptions_total`, summed over its ranks."""
     status, body = http_get(f"{engine_url}/metrics", timeout=5.0)
@@ -1049,6 +1092,8 @@ def summarize(cfg: BenchConfig, seed: int, run: dict[str, Any], gateway: dict[st
                                for name, group in by_class.items()},
         "parked": gateway["parked"] if gateway else 0,
         "wait_bound": wait_bound_report(records, gateway, k),
+        # early answers that turned away a request which would have started within its park cap
+        **false_early_rejections(records, cfg.park_cap, k),
         **({"wait_predictions": prediction_report(run["predictions"], k)}
            if run.get("predictions") is not None else {}),
         # each request, in send order: its class, how it ended, when (engine s after sending) and,
@@ -1182,6 +1227,8 @@ def render_run(result: dict[str, Any]) -> str:
                      f"{wb.get('error_mean_s')} s, violations {wb.get('violations', 0)}; early answers "
                      f"{wb['early_answers']} at {wb['early_answer_after_s']} s "
                      f"({wb.get('answers_by_bound', 0)} proved by the bound)")
+        lines.append(f"false early rejections: {result['false_early_rejections']} of {result['early_rejections']} "
+                     f"early answers {result['false_early_rejection_cases'] or ''}".rstrip())
     if result.get("estimate_ratio") is not None:
         by_class = ", ".join(f"{c} {v}" for c, v in result["estimate_ratio_by_class"].items())
         lines.append(f"prompt estimate / engine count: {result['estimate_ratio']} ({by_class})")
@@ -1215,6 +1262,7 @@ COMBINED_COLUMNS = (
     ("req/s", 7, lambda r: r["throughput_rps"]),
     ("held", 8, lambda r: r["held_s"]),
     ("pwfree", 8, lambda r: r["parked_while_free_s"]),
+    ("falseER", 8, lambda r: f"{r.get('false_early_rejections', 0)}/{r.get('early_rejections', 0)}"),
 )
 
 

@@ -183,7 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
             chart="admission.backfill", kind="bool"),
     Setting("ADMISSION_WAIT_ESTIMATES",
             "Retry-After from the predicted wait (completion rate; with the KV budget, the work ahead: "
-            "ADMISSION_WAIT_PREDICTION); answer at once when it runs past the park cap", "true",
+            "ADMISSION_WAIT_PREDICTION); answer at once when it runs past the park cap (an estimate: twice the cap)",
+            "true",
             chart="admission.waitEstimates", kind="bool"),
     Setting("ADMISSION_ENGINE_QUEUE_SLOTS",
             "with the budget: requests that may wait inside the engine beyond max in-flight", "1",

@@ -27,8 +27,15 @@ measured tokenizers are 2.76 on JSON and 2.28 on CJK, Qwen3 3.65 / 3.62), so a c
 meets a burst of large JSON, CJK or hex prompts counts them exactly, and small ones at worst
 over-reserve.
 
-`Calibration` learns bytes-per-token per engine (one vLLM engine serves one model's tokenizer)
-from `vllm:prompt_tokens_total` against the bytes of the requests this service admitted: the
+`Calibration` learns bytes-per-token per engine (one vLLM engine serves one model's tokenizer).
+First from exact counts: every prompt counted by the tokenizer or the engine is one sample of its
+text bytes against its tokens (less the template's and token ids' share, as the bytes rule adds
+them), and after `MIN_EXACT_SAMPLES` (3) such prompts their decayed sums give the rate. So the
+bytes rule for prompts under the threshold converges within three large prompts, where the
+counter below needs `MIN_EVIDENCE_TOKENS` (50,000) counted tokens: 49 prompts of the 1k class,
+34 of the real engine's 1,500-token chats, never for 32-token chats (bench/README.md, "Prompt
+estimates that do not waste"). Without exact counts (no tokenizer, no /tokenize, or only small
+prompts), from `vllm:prompt_tokens_total` against the bytes of the requests this service admitted: the
 engine counts a prompt when its first token is sampled, so it has surely counted every request
 whose stream has ended, and maybe some still open. The learned value is therefore
 bytes(finished) / (tokens the engine counted - what the template and token ids account for),
@@ -76,6 +83,7 @@ log = logging.getLogger("extproc.tokencount")
 
 HALF_LIFE_TOKENS = 1_000_000  # calibration sums halve every this many engine-counted prompt tokens
 MIN_EVIDENCE_TOKENS = 50_000  # engine-counted tokens before the learned value (and the ratio) is used
+MIN_EXACT_SAMPLES = 3  # prompts counted exactly before their bytes-per-token is used (module docstring)
 UNSUPPORTED_RETRY_SECONDS = 60.0  # an engine without /tokenize is asked again after this
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -194,6 +202,9 @@ class Calibration:
         self.finished_bytes = 0.0  # decayed: text bytes x sequences of our finished requests
         self.finished_fixed = 0.0  # decayed: their template + token-id tokens x sequences
         self.admitted_estimate = 0.0  # decayed: estimated engine prompt tokens of what we admitted
+        self.samples = 0  # prompts counted exactly (by the engine or the tokenizer) since the last reset
+        self.sample_bytes = 0.0  # decayed: their text bytes (what the rate applies to)
+        self.sample_tokens = 0.0  # decayed: their exact counts less the template and token ids
         # Since the last counter reading: merged with the engine's delta at the next one, so what
         # happened in one interval is weighed alike on both sides.
         self._pending = [0.0, 0.0, 0.0]  # finished bytes, finished fixed tokens, admitted estimate
@@ -223,6 +234,19 @@ class Calibration:
     def reset(self) -> None:
         self.engine_tokens = self.finished_bytes = self.finished_fixed = self.admitted_estimate = 0.0
         self._pending = [0.0, 0.0, 0.0]
+        self.samples, self.sample_bytes, self.sample_tokens = 0, 0.0, 0.0
+
+    def counted(self, facts: BodyFacts, overhead: TemplateOverhead, tokens: int) -> None:
+        """A prompt counted exactly: its bytes against its tokens, less what the bytes rule adds on
+        its own (template, token ids, dense text), is one exact sample of the rate."""
+        text_bytes = facts.prompt_bytes + facts.tools_bytes - facts.dense_bytes
+        text_tokens = tokens - (overhead.tokens(facts) + facts.prompt_token_ids + facts.dense_bytes)
+        if text_bytes <= 0 or text_tokens <= 0:
+            return  # nothing the rate applies to, or the template's estimate covers it all
+        factor = 0.5 ** (tokens / self._half_life)
+        self.sample_bytes = self.sample_bytes * factor + text_bytes
+        self.sample_tokens = self.sample_tokens * factor + text_tokens
+        self.samples += 1
 
     def admitted(self, cost: CostEstimate) -> None:
         self._pending[2] += cost.engine_prompt_tokens
@@ -239,9 +263,14 @@ class Calibration:
         return self.engine_tokens >= self._min_evidence
 
     def learned(self) -> float | None:
-        """The learned bytes-per-token (bounded), or None while there is not enough evidence."""
+        """The learned bytes-per-token (bounded): from exact counts once there are
+        `MIN_EXACT_SAMPLES`, else from the engine's counter once it has enough evidence, else None."""
+        if not self.learn:
+            return None
+        if self.samples >= MIN_EXACT_SAMPLES:
+            return min(self.high, max(self.low, self.sample_bytes / self.sample_tokens))
         text_tokens = self.engine_tokens - self.finished_fixed
-        if not self.learn or not self.evidence or self.finished_bytes <= 0 or text_tokens <= 0:
+        if not self.evidence or self.finished_bytes <= 0 or text_tokens <= 0:
             return None
         return min(self.high, max(self.low, self.finished_bytes / text_tokens))
 
@@ -305,6 +334,7 @@ class Estimator:
             try:
                 loop = asyncio.get_running_loop()
                 tokens = await loop.run_in_executor(self._pool, self.tokenizer.count, endpoint.path, body)
+                self.calibration[engine.name].counted(facts, self.overhead, tokens)
                 return estimate_counted(facts, tokens, s.default_max_tokens, "tokenizer")
             except CountError as exc:
                 log.debug("tokenizer could not count the prompt; bytes rule", extra={"detail": str(exc)})
@@ -317,6 +347,7 @@ class Estimator:
                 and self._unsupported_until.get(engine.name, 0.0) <= time.monotonic()):
             try:
                 tokens = await self._engine_count(engine, endpoint.path, body)
+                self.calibration[engine.name].counted(facts, self.overhead, tokens)
                 return estimate_counted(facts, tokens, s.default_max_tokens, "engine")
             except CountError as exc:
                 source = "fallback"

@@ -22,7 +22,7 @@ FIELDS = (
     "preemptions", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95", "max_engine_waiting",
     "peak_engine_running_plus_waiting", "peak_kv_usage", "makespan_s", "stale_transitions",
     "ttft_p90", "throughput_rps", "held_s", "parked_while_free_s", "engine", "gave_up", "goodput",
-    "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens",
+    "output_tokens_per_s", "wasted_tokens", "engine_computed_tokens", "false_early_rejections", "early_rejections",
 )
 
 

@@ -436,3 +436,32 @@ async def test_calibration_follows_the_engine_counter_and_publishes_the_ratio(se
     ratio = metrics.registry.get_sample_value("admission_estimate_ratio", {"engine": engine, "model": "sim-model"})
     assert ratio == pytest.approx(1.0, abs=0.01)  # every prompt counted by the engine itself
     assert not math.isnan(ratio)
+
+
+def test_exact_counts_teach_the_rate_within_a_few_prompts() -> None:
+    # The engine's counter needs MIN_EVIDENCE_TOKENS (50,000) counted tokens: 49 prompts of the 1k
+    # class before the prior gives way. An exact count is an exact sample: three of them suffice.
+    cal = Calibration(prior=2.5, low=1.0, high=8.0, learn=True)
+    o = TemplateOverhead()
+    facts = scan_body(chat("x" * 3_300))
+    for _ in range(3):
+        assert cal.bytes_per_token() == (2.5, False)
+        cal.counted(facts, o, 1_000 + o.tokens(facts))  # 3.3 bytes a token
+    assert cal.bytes_per_token() == (pytest.approx(3.3), True)
+    cal.counted(facts, o, o.tokens(facts))  # a prompt the template estimate covers wholly: no sample
+    assert cal.samples == 3
+    cal.reset()  # another engine (its counter went back): the samples go too
+    assert cal.bytes_per_token() == (2.5, False)
+
+
+async def test_prompts_under_the_threshold_use_the_rate_learned_from_the_engines_counts(serve: Any) -> None:
+    url = await serve(sim_app())
+    est, metrics = estimator(url)
+    for i in range(3):  # large prompts: counted by the engine (> 8 KB)
+        assert (await estimate(est, chat(sized_content("mixed", 4_000, seed=9, index=i)))).source == "engine"
+    content = sized_content("mixed", 1_024, seed=9, index=9)  # ~3.7 KB: the bytes rule
+    cost = await estimate(est, chat(content))
+    truth = QWEN.count_chat([{"role": "user", "content": content}])
+    assert cost.source == "learned"
+    assert truth <= cost.prompt_tokens <= 1.1 * truth  # the prior (2.5 B/t) says 1.58x
+    assert prompt_from_bytes(scan_body(chat(content)), 2.5, 1.0, est.overhead) > 1.5 * truth

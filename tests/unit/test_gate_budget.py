@@ -152,8 +152,8 @@ def test_retry_after_uses_the_measured_completion_rate_and_is_clamped() -> None:
     assert gate.expected_wait(1) == 2.0
 
 
-def test_expected_wait_beyond_the_park_cap_is_rejected_at_once_with_that_retry_after() -> None:
-    gate = gate_with(replace(LIMITS, max_queue_depth=100, max_park_seconds=10.0))
+def test_expected_wait_beyond_twice_the_park_cap_is_rejected_at_once_with_that_retry_after() -> None:
+    gate = gate_with(replace(LIMITS, max_queue_depth=100, max_park_seconds=5.0))  # an estimate: 2 caps
     tickets = [arrive(gate, 0.0, 16)[0] for _ in range(4)]
     for i, t in enumerate(tickets):
         gate.finish(t, now=1.0 + i)  # one completion a second
