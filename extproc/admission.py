@@ -103,6 +103,9 @@ def gate_limits(settings: Settings, engine: EngineConfig) -> GateLimits:
         generation_reservation=settings.generation_reservation,
         generation_factor=settings.generation_factor,
         wait_prediction=settings.wait_prediction,
+        policy=settings.policy,
+        projection_quantile=settings.projection_quantile,
+        preemption_max_cost_seconds=settings.preemption_max_cost_seconds,
     )
 
 
@@ -112,6 +115,7 @@ class Admission:
         self._metrics = metrics
         self._clock = clock
         self._prediction = settings.wait_prediction  # the metrics' `kind` label
+        self._budgeted = settings.kv_budget and settings.local_accounting  # admissions a policy decides
         self._ledger: Ledger = ledger or LocalLedger({e.name: gate_limits(settings, e) for e in settings.engines})
         self._engines: dict[str, _Engine] = {}
         self._closing = False
@@ -403,6 +407,8 @@ class Admission:
         m = self._metrics
         if outcome.admits:
             m.child(m.admitted, engine, ticket.model, outcome.value).inc()
+            if outcome is not Outcome.ADMITTED_FAIL_OPEN and self._budgeted:
+                m.child(m.policy_admitted, engine, ticket.policy or "strict").inc()
             if ticket.backfilled:
                 m.child(m.backfilled, engine, ticket.model).inc()
         else:
@@ -448,6 +454,8 @@ class Admission:
             (metrics.engine_done, lambda: gate().engine_done()),
             (metrics.kv_available, lambda: _nan_if_none(gate().available_tokens())),
             (metrics.throughput_bound, lambda: _nan_if_none(gate().throughput_bound())),
+            (metrics.projected_peak, lambda: _nan_if_none(gate().projected_load(self.now()))),
+            (metrics.engine_preemptions, lambda: gate().preempted),
         ]
         for gauge, read in reads:
             gauge.labels(engine).set_function(read)

@@ -142,6 +142,9 @@ class Settings:
     replica_id: str | None  # this replica's name in the shared ledger (None: host-pid-random)
     generation_reservation: str  # KV reserved for generation: the limit, or learned
     generation_factor: float  # with learned: this x the engine's mean generation
+    policy: str  # with the budget: strict, or projected (extproc/projection.py)
+    projection_quantile: float  # with projected: the length quantile
+    preemption_max_cost_seconds: float  # with projected: above this recompute, the strict budget
     estimate: EstimateSettings
     wait_prediction: str  # with wait_estimates: bound (a lower bound) or expected (extproc/gate.py)
     tls: TlsFiles | None = None  # mTLS on the gRPC port (None: plaintext)
@@ -212,6 +215,9 @@ class Settings:
             "replica_id": self.replica_id,
             "generation_reservation": self.generation_reservation,
             "generation_factor": self.generation_factor,
+            "policy": self.policy,
+            "projection_quantile": self.projection_quantile,
+            "preemption_max_cost_s": self.preemption_max_cost_seconds,
             "wait_prediction": self.wait_prediction,
             "engines": [
                 {
@@ -547,6 +553,9 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         estimate=_estimate_settings(env),
         generation_reservation=_choice(env, "ADMISSION_GENERATION_RESERVATION"),
         generation_factor=_float(env, "ADMISSION_GENERATION_FACTOR"),
+        policy=_choice(env, "ADMISSION_POLICY"),
+        projection_quantile=_float(env, "ADMISSION_PROJECTION_QUANTILE"),
+        preemption_max_cost_seconds=_float(env, "ADMISSION_PREEMPTION_MAX_COST_SECONDS"),
         wait_prediction=_choice(env, "ADMISSION_WAIT_PREDICTION"),
         tls=tls,
     )

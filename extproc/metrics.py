@@ -31,6 +31,8 @@ PASSTHROUGH_REASONS = ("path_not_gated", "no_models_configured")
 ESTIMATE_SOURCES = ("tokenizer", "engine", "fallback", "learned", "prior", "bytes")
 #: actual - predicted wait of parked-then-admitted requests. No negative bounds (prometheus_client then
 #: drops `_sum`): a bound that did not hold lands in le="0" and in admission_wait_bound_violations_total.
+#: The rules that can admit a request under each ADMISSION_POLICY (`admission_policy_admitted_total{policy}`).
+POLICY_RULES = {"strict": ("strict",), "projected": ("projected", "price", "cold", "strict")}
 _ERROR_BUCKETS = (0, 1, 5, 10, 30, 60, 120, 300, 600)
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -133,6 +135,22 @@ class Metrics:
             "admission_kv_available_tokens",
             "KV tokens the budget would still admit (NaN when the budget does not apply).",
             ["engine"], registry=r)
+        self.policy_admitted = Counter(
+            "admission_policy_admitted",
+            "Requests admitted by the KV budget, by the rule that decided: strict (ADMISSION_POLICY=strict), or with "
+            "projected: projected (the projected peak fits), price (its preemption would cost more than "
+            "ADMISSION_PREEMPTION_MAX_COST_SECONDS: the strict budget), cold (no prefill rate yet: the strict "
+            "budget) or strict (no KV capacity known: slots only).",
+            ["engine", "policy"], registry=r)
+        self.projected_peak = Gauge(
+            "admission_projected_peak_tokens",
+            "With ADMISSION_POLICY=projected: the peak KV tokens this replica's open requests are projected to hold, "
+            "plus the KV the last scrape shows that they cannot explain; compare with vllm_kv_capacity_tokens "
+            "(NaN otherwise).", ["engine"], registry=r)
+        self.engine_preemptions = Gauge(
+            "admission_engine_preemptions",
+            "Preemptions the engine counted between its last two scrapes (its preemption counter).",
+            ["engine"], registry=r)
         self.engine_done = Gauge(
             "admission_engine_done_requests",
             "Engine requests of admitted requests whose HTTP stream is still open but which the last scrape shows "
@@ -229,6 +247,8 @@ class Metrics:
             self.wait_bound_violations.labels(name)
             self.park_deadline_local.labels(name)
             self.wait_bound_answers.labels(name, settings.wait_prediction)
+            for policy in POLICY_RULES[settings.policy]:
+                self.policy_admitted.labels(name, policy)
             for model in engine.models:
                 for via in ADMITTED_VIA:
                     self.admitted.labels(name, model, via.value)

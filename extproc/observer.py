@@ -178,6 +178,10 @@ class EngineObserver:
             generation_tokens_total=gauges.generation_tokens_total,
             generated_sum=gauges.generated_sum,
             generated_count=gauges.generated_count,
+            generated_buckets=gauges.generated_buckets,
+            prefix_hits=gauges.prefix_hits,
+            prefix_queries=gauges.prefix_queries,
+            preemptions=gauges.preemptions,
         )
         self._log_capacity_source(engine, gauges)
         self._check_limit_drift(engine, gauges.running)

@@ -334,6 +334,8 @@ class Conversation:
             if log.isEnabledFor(logging.DEBUG):  # the common case: no dict built for a line nobody reads
                 cost = s.cost
                 log.debug("admitted", extra={"request_id": s.request_id, "engine": engine, "outcome": outcome.value,
+                                             # the rule that admitted it (projected policy), "" otherwise
+                                             "policy": s.ticket.policy if s.ticket is not None else "",
                                              # what the engine's prompt counter is expected to add, and from where
                                              **({"prompt_tokens": cost.engine_prompt_tokens,
                                                  "estimate_source": cost.source} if cost is not None else {})})

@@ -201,6 +201,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ADMISSION_GENERATION_FACTOR",
             "with learned: reserve this x the engine's recent mean generation, at most the limit", "1.5",
             chart="admission.generationFactor", kind="float", bounds=Bounds(0.1, 10.0)),
+    Setting("ADMISSION_POLICY",
+            "with the budget: strict = every request holds prompt + its generation reservation for its life; "
+            "projected = admit when the projected peak KV of the running set fits (docs/concepts/kv-budget.md)",
+            "strict", chart="admission.policy", kind="choice", choices=("strict", "projected")),
+    Setting("ADMISSION_PROJECTION_QUANTILE",
+            "with projected: each request's final generation length is this quantile of the engine's own "
+            "length distribution, given what it has generated", "0.99",
+            chart="admission.projectionQuantile", kind="float", bounds=Bounds(0.0, 1.0, low_open=True)),
+    Setting("ADMISSION_PREEMPTION_MAX_COST_SECONDS",
+            "with projected: a candidate whose preemption would cost more recompute than this (its context x "
+            "(1 - prefix hit rate) / prefill rate) is admitted by the strict budget", "10.0",
+            chart="admission.preemptionMaxCostSeconds", kind="float", bounds=Bounds(0.0, 3600.0)),
     Setting("ADMISSION_LEDGER", "where the gates' state lives: local = this process, redis = shared by replicas",
             "local", chart="ledger.backend", kind="choice", choices=("local", "redis")),
     Setting("ADMISSION_REDIS_URL",

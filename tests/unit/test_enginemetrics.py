@@ -229,3 +229,40 @@ def test_a_rank_with_gauges_but_no_capacity_line_is_still_incomplete() -> None:
                               'num_gpu_blocks="9527"} 1.0\n', "")
     with pytest.raises(MetricsFormatError, match="ranks"):
         parse_engine_metrics(text)
+
+
+def _simulated_exposition(profile: str) -> str:
+    """A simulator exposition after real scheduler steps: three finished requests (3, 30, 300 tokens)."""
+    from enginesim.metrics import EngineMetrics
+    from enginesim.scheduler import Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(num_gpu_blocks=512, block_size=16)
+    sched = Scheduler(config, profile)
+    metrics = EngineMetrics("m", config, [0], process_collectors=False, profile=profile)
+    for i, length in enumerate((3, 30, 300)):
+        sched.add_request(f"r{i}", prompt_tokens=64, max_tokens=length, arrival_time=0.0, prefix=("sys", 48))
+    now = 0.0
+    for _ in range(1000):
+        if not sched.has_unfinished:
+            break
+        step, out = sched.step(now)
+        metrics.record_step(0, step, out)
+        now = step.end_time
+    metrics.publish(0, sched.stats())
+    return metrics.exposition().decode()
+
+
+def test_the_generation_histogram_buckets_and_prefix_cache_counters_are_read() -> None:
+    got = parse_engine_metrics(_simulated_exposition("vllm-0.33"), expect_capacity=True)
+    assert got.generated_buckets is not None
+    bounds = dict(got.generated_buckets)
+    assert (bounds[2.0], bounds[5.0], bounds[50.0], bounds[500.0], bounds[float("inf")]) == (0, 1, 2, 3, 3)
+    # Present (the simulator's exposition does not count lookups yet: both stay 0), unlike the legacy engine's.
+    assert (got.prefix_hits, got.prefix_queries, got.preemptions) == (0, 0, 0)
+
+
+def test_prefix_cache_counters_are_optional() -> None:
+    base = ('vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_waiting{engine="0"} 0\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.1\n')
+    got = parse_engine_metrics(base)
+    assert (got.prefix_hits, got.prefix_queries, got.preemptions, got.generated_buckets) == (None, None, None, None)

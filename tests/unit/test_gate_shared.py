@@ -5,11 +5,13 @@ runs the same against a real redis-server)."""
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from hypothesis import given, settings, strategies as st
 
-from extproc.gate import EngineGate, EngineSnapshot, Ticket, TicketState
+from extproc.gate import EngineGate, EngineSnapshot, GateLimits, Ticket, TicketState
 from extproc.outcomes import Outcome
 
 from .limits import limits
@@ -38,12 +40,32 @@ EVENT = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(EVENT, max_size=40))
 def test_a_gate_rebuilt_from_its_serialised_state_decides_exactly_like_the_original(events: list) -> None:
+    _rebuilt_decides_like_the_original(LIMITS, events)
+
+
+def _projected_snap(now: float, running: int = 0, kv: float = 0.0) -> EngineSnapshot:
+    """A scrape with the counters the projected policy learns from, growing with time."""
+    n = float(int(now * 10))
+    buckets = ((10.0, n), (100.0, 2 * n), (1000.0, 3 * n), (math.inf, 3 * n))
+    return EngineSnapshot(running, 0, kv, now, CAPACITY, 16, n * 100, n * 50, 3 * n * 60, 3 * n, buckets,
+                          n * 30, n * 100, n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(EVENT, max_size=40))
+def test_a_projected_gate_rebuilt_from_its_serialised_state_decides_exactly_like_the_original(events: list) -> None:
+    _rebuilt_decides_like_the_original(replace(LIMITS, policy="projected", preemption_max_cost_seconds=3600.0),
+                                       events, _projected_snap)
+
+
+def _rebuilt_decides_like_the_original(limits: GateLimits, events: list,
+                                       snap: Callable[..., EngineSnapshot] = _snap) -> None:
     now = 100.0
-    kept = EngineGate(LIMITS)
-    kept.observe(_snap(now), now)
+    kept = EngineGate(limits)
+    kept.observe(snap(now), now)
     state = json.dumps(kept.to_state())
     for kind, arg in events:
-        rebuilt = EngineGate.from_state(LIMITS, json.loads(state))
+        rebuilt = EngineGate.from_state(limits, json.loads(state))
         pair = (kept, rebuilt)
         if kind == "arrive":
             ticket = _ticket(now, tokens=arg, requests=1 + arg % 3)  # n > 1 too
@@ -55,7 +77,7 @@ def test_a_gate_rebuilt_from_its_serialised_state_decides_exactly_like_the_origi
             tid = live[arg % len(live)]
             out = [g.end(tid, now) for g in pair]
         elif kind == "scrape":
-            out = [g.observe(_snap(now - 0.05, running=arg, kv=arg / 10), now) for g in pair]
+            out = [g.observe(snap(now - 0.05, running=arg, kv=arg / 10), now) for g in pair]
         else:
             now += arg
             out = [g.expire(now) for g in pair]

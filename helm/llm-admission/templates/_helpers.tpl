@@ -445,6 +445,12 @@ env:
   value: {{ $a.generationReservation | quote }}
 - name: ADMISSION_GENERATION_FACTOR
   value: {{ $a.generationFactor | toString | quote }}
+- name: ADMISSION_POLICY
+  value: {{ $a.policy | quote }}
+- name: ADMISSION_PROJECTION_QUANTILE
+  value: {{ $a.projectionQuantile | toString | quote }}
+- name: ADMISSION_PREEMPTION_MAX_COST_SECONDS
+  value: {{ $a.preemptionMaxCostSeconds | toString | quote }}
 - name: ADMISSION_BACKFILL
   value: {{ $a.backfill | toString | quote }}
 - name: ADMISSION_BYTES_PER_TOKEN
