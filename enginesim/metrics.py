@@ -529,6 +529,10 @@ class EngineMetrics:
                 self._request_preemptions[key] = self._request_preemptions.get(key, 0) + 1
         self.prompt_tokens[idx].inc(output.num_prompt_tokens)
         self.generation_tokens[idx].inc(output.num_generation_tokens)
+        # vLLM counts a request's prefix-cache lookup when it is first scheduled (a resumed one goes to
+        # the preempted-request stats, which it does not export); the legacy profile caches nothing.
+        self.prefix_cache_queries[idx].inc(step.prefix_cache_queries)
+        self.prefix_cache_hits[idx].inc(step.prefix_cache_hits)
         self.token_totals[idx][0] += output.num_prompt_tokens
         self.token_totals[idx][1] += output.num_generation_tokens
         self.iteration_tokens[idx].observe(output.num_prompt_tokens + output.num_generation_tokens)

@@ -82,6 +82,11 @@ class Dialect:
     prefix_hits: str | None = None  # counter sample: prompt tokens found in the prefix cache
     prefix_queries: str | None = None  # counter sample: prompt tokens looked up in it
     preemptions: str | None = None  # counter sample: requests preempted
+    # Histogram _sum samples over finished requests, observed together at each finish: their prompt
+    # tokens, and the seconds they spent prefilling and decoding (the gate's direct rates).
+    prompt_sum: str | None = None
+    prefill_time_sum: str | None = None
+    decode_time_sum: str | None = None
     recent_families: tuple[str, ...] = ()  # families only recent releases write (`extproc check`)
     # Derived once, for the parser that runs every poll.
     wanted: re.Pattern[str] = field(init=False, repr=False, compare=False)
@@ -94,7 +99,8 @@ class Dialect:
             ("prompt_tokens_total", self.prompt_tokens), ("generation_tokens_total", self.generation_tokens),
             ("generated_sum", self.generated_sum), ("generated_count", self.generated_count),
             ("prefix_hits", self.prefix_hits), ("prefix_queries", self.prefix_queries),
-            ("preemptions", self.preemptions)) if sample}
+            ("preemptions", self.preemptions), ("prompt_sum", self.prompt_sum),
+            ("prefill_time_sum", self.prefill_time_sum), ("decode_time_sum", self.decode_time_sum)) if sample}
         object.__setattr__(self, "counters", counters)
         object.__setattr__(self, "wanted", _lines_of(self.samples))
 
@@ -154,6 +160,9 @@ VLLM = Dialect(
     prefix_hits="vllm:prefix_cache_hits_total",
     prefix_queries="vllm:prefix_cache_queries_total",
     preemptions="vllm:num_preemptions_total",
+    prompt_sum="vllm:request_prompt_tokens_sum",
+    prefill_time_sum="vllm:request_prefill_time_seconds_sum",
+    decode_time_sum="vllm:request_decode_time_seconds_sum",
     recent_families=("vllm:num_requests_waiting_by_reason", "vllm:engine_sleep_state"),
 )
 

@@ -68,6 +68,9 @@ class EngineGauges:
     prefix_hits: float | None = None  # prompt tokens found in the prefix cache
     prefix_queries: float | None = None  # prompt tokens looked up in it
     preemptions: float | None = None  # requests preempted
+    prompt_sum: float | None = None  # prompt tokens of finished requests (histogram _sum)
+    prefill_time_sum: float | None = None  # ...the seconds they spent prefilling (_sum)
+    decode_time_sum: float | None = None  # ...and decoding (_sum)
     dialect: str = VLLM.name
 
 
@@ -181,6 +184,9 @@ def parse_engine_metrics(text: str, *, dialect: Dialect = VLLM, expect_capacity:
         prefix_hits=counters.get(d.prefix_hits or ""),
         prefix_queries=counters.get(d.prefix_queries or ""),
         preemptions=counters.get(d.preemptions or ""),
+        prompt_sum=counters.get(d.prompt_sum or ""),
+        prefill_time_sum=counters.get(d.prefill_time_sum or ""),
+        decode_time_sum=counters.get(d.decode_time_sum or ""),
         dialect=d.name,
     )
 

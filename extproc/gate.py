@@ -127,24 +127,26 @@ fits when a slot is free (as above) AND
 
     others' + projected_peak(open + candidate) <= capacity
 
-`projected_peak` (extproc/projection.py) is the peak KV the open tickets reach as they decode:
-each holds prompt + generated now and grows one token per engine step to its final length, the
-`projection_quantile` of the engine's generation-length distribution (the histogram's buckets,
-what finished between scrapes, smoothed like the mean) given its progress and capped by its
-limit, then frees all. Progress: from the admission time, the prompt at the measured prefill rate
-(`_peak_rate`), then the slower measured decode rate (`decode_rates`); unknown rates take it as
-having generated nothing and running to its limit. `others'` is the scrape's KV use that our open
-tickets' prompt + generated AT THE SCRAPE cannot explain (those the grace says it surely shows;
-finished ones by their reservation, as above). Tickets the engine has finished ("Engine done,
-stream open") leave the projection, the smallest reservations first. A candidate whose
+`projected_peak` (extproc/projection.py) is the peak KV the open tickets reach as they decode: each
+holds prompt + generated now and grows one token per engine step to its final length, the
+`projection_quantile` of the engine's generation-length distribution (the histogram's buckets, what
+finished between scrapes, smoothed like the mean) given its progress and capped by its limit, then
+frees all. Progress: from the admission time, the prompt at the prefill rate (`prefill_rate`: the
+engine's own per-request figure, prompt tokens over prefill seconds of the requests it finished,
+from its histograms; the peak KV growth before any finished), then the slowest of the measured
+decode rates (`decode_rates`, and the per-request figure from the same histograms); unknown rates
+take it as having generated nothing and running to its limit. `others'` is the scrape's KV use that
+our open tickets' prompt + generated AT THE SCRAPE cannot explain (those the grace says it surely
+shows; finished ones by their reservation, as above). Tickets the engine has finished ("Engine
+done, stream open") leave the projection, the smallest reservations first. A candidate whose
 preemption would be dear keeps the strict budget: vLLM preempts the most recently scheduled
-request, the candidate, and recomputes its context, so the price is (prompt + projected
-generation) x (1 - prefix hit rate) / prefill rate; above `preemption_max_cost_seconds`, or with
-no prefill rate yet, the candidate must fit `capacity - others - reserved` (the strict rule:
-`Ticket.policy` says which rule admitted it). Reservations are still kept (the strict cost) for
-the strict rule, backfill, the wait predictions and the shared ledger. Backfill under the
-projection: the candidate fits and the head would still fit beside it once the open request with
-the largest final holding ends.
+request, the candidate, and recomputes its context, so the price is (prompt + projected generation)
+x (1 - prefix hit rate) / prefill rate; above `preemption_max_cost_seconds`, or with no prefill
+rate yet, the candidate must fit `capacity - others - reserved` (the strict rule: `Ticket.policy`
+says which rule admitted it). Reservations are still kept (the strict cost) for the strict rule,
+backfill, the wait predictions and the shared ledger. Backfill under the projection: the candidate
+fits and the head would still fit beside it once the open request with the largest final holding
+ends.
 
 Retry-After comes from the measured completion rate of this gate's admitted requests: a request
 at queue position p expects to wait p / rate. When that already exceeds `ESTIMATE_MARGIN` (2)
@@ -322,6 +324,9 @@ class EngineSnapshot:
     prefix_hits: float | None = None  # prompt tokens found in the prefix cache
     prefix_queries: float | None = None  # prompt tokens looked up in it
     preemptions: float | None = None  # requests the engine preempted
+    prompt_sum: float | None = None  # prompt tokens of finished requests
+    prefill_time_sum: float | None = None  # seconds those requests spent prefilling
+    decode_time_sum: float | None = None  # ...and decoding
 
 
 class EngineState(enum.StrEnum):
@@ -446,6 +451,9 @@ class EngineGate:
         self._length_hist: HistogramLength | None = None  # the engine's smoothed generation-length distribution
         self._hit_rate: float | None = None  # smoothed prefix-cache hit rate (tokens found / looked up)
         self._preempted = 0.0  # preemptions the engine counted between the last two scrapes
+        # Per-request rates from the engine's own histograms of finished requests (`_learn_rates`).
+        self._prefill_direct: float | None = None  # prompt tokens per second of prefill time
+        self._decode_direct: float | None = None  # tokens per second of decode time, one request
         self._snapshot: EngineSnapshot | None = None
         self._failed_polls = 0
         self._queue: deque[Ticket] = deque()
@@ -714,7 +722,7 @@ class EngineGate:
     def preemption_price(self, ticket: Ticket) -> float | None:
         """Seconds of recompute a preemption of `ticket` would cost (vLLM preempts the most recently
         scheduled request: the candidate itself), or None without a measured prefill rate."""
-        rate = self._peak_rate
+        rate = self.prefill_rate()
         if rate is None or rate <= 0:
             return None
         prompt, limit = self._per_request(ticket)
@@ -741,10 +749,10 @@ class EngineGate:
             return self._progress_of(ticket, now)
         prompt, limit = self._per_request(ticket)
         mixed, alone = self.decode_rates()
-        known = [r for r in (mixed, alone) if r is not None]
+        known = [r for r in (mixed, alone, self._decode_direct) if r is not None]
         decode = min(known) if known else None  # the slower: less generated, more still to come
         admitted = ticket.admitted_at if ticket.admitted_at is not None else now
-        return estimate_progress(max(0.0, now - admitted), prompt, limit, self._peak_rate, decode)
+        return estimate_progress(max(0.0, now - admitted), prompt, limit, self.prefill_rate(), decode)
 
     def _holding(self, ticket: Ticket, now: float) -> Holding:
         prompt, limit = self._per_request(ticket)
@@ -784,7 +792,7 @@ class EngineGate:
             h = self._holding(ticket, at)
             return h.requests * math.ceil(h.held / block) * block
         prompt, limit = self._per_request(ticket)
-        known = [r for r in self.decode_rates() if r is not None]
+        known = [r for r in (*self.decode_rates(), self._decode_direct) if r is not None]
         if not known or ticket.admitted_at is None:
             return ticket.reserved
         generated = min(limit, math.ceil(max(known) * max(0.0, at - ticket.admitted_at)))
@@ -1127,6 +1135,36 @@ class EngineGate:
             self._hit_rate = rate if self._hit_rate is None else self._hit_rate + weight * (rate - self._hit_rate)
         preempted = _delta(before.preemptions, after.preemptions)
         self._preempted = preempted or 0.0
+        self._learn_rates(before, after)
+
+    def _learn_rates(self, before: EngineSnapshot, after: EngineSnapshot) -> None:
+        """The prefill and decode rates of the requests the engine finished between two scrapes, from
+        its own per-request histograms (vLLM observes a request's prompt tokens, prefill seconds
+        (scheduled to first token), decode seconds (first to last token) and generated tokens
+        together when it finishes): prompt / prefill time and (generated - 1) / decode time, summed
+        over those requests and smoothed like the length model. Measured on the first finish, where
+        the KV-growth peak (`_peak_rate`) needs eight busy intervals without one. A prefill that
+        shares its steps with decodes is slower than the engine's peak, so this rate is the lower
+        one: the side of a dearer preemption and of less progress."""
+        if before.capacity_tokens != after.capacity_tokens:
+            self._prefill_direct = self._decode_direct = None  # another engine: measure again
+        count = _delta(before.generated_count, after.generated_count)
+        if not count:
+            return
+        weight = min(1.0, count / GENERATION_WINDOW)
+        prompt = _delta(before.prompt_sum, after.prompt_sum)
+        prefill = _delta(before.prefill_time_sum, after.prefill_time_sum)
+        if prompt and prefill:
+            self._prefill_direct = _smooth(self._prefill_direct, prompt / prefill, weight)
+        generated = _delta(before.generated_sum, after.generated_sum)
+        decode = _delta(before.decode_time_sum, after.decode_time_sum)
+        if generated is not None and decode and generated > count:
+            self._decode_direct = _smooth(self._decode_direct, (generated - count) / decode, weight)
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens per second one request is prefilled at: the engine's own per-request figure
+        where it has finished a request, else the peak KV growth measured; None before either."""
+        return self._prefill_direct if self._prefill_direct is not None else self._peak_rate
 
     def poll_failed(self, now: float) -> list[Decision]:
         """A poll failed (unreachable, timed out or unparsable). Stale engines release the park."""
@@ -1252,6 +1290,8 @@ class EngineGate:
                                                            list(self._length_hist.counts)],
             "hr": self._hit_rate,
             "pe": self._preempted,
+            "pfd": self._prefill_direct,
+            "dcd": self._decode_direct,
         }
 
     @classmethod
@@ -1278,6 +1318,8 @@ class EngineGate:
             tuple(float(e) for e in lengths[0]), tuple(float(c) for c in lengths[1]))
         gate._hit_rate = state.get("hr")
         gate._preempted = state.get("pe", 0.0)
+        gate._prefill_direct = state.get("pfd")
+        gate._decode_direct = state.get("dcd")
         return gate
 
     # --- internals ------------------------------------------------------------------------
@@ -1373,6 +1415,11 @@ def _snapshot_from_state(fields: list[Any]) -> EngineSnapshot:
         buckets = tuple((float(b), float(c)) for b, c in snap.generated_buckets)
         snap = dataclasses.replace(snap, generated_buckets=buckets)
     return snap
+
+
+def _smooth(previous: float | None, value: float, weight: float) -> float:
+    """An exponentially smoothed figure: `value` at first, then `weight` of the way towards each new one."""
+    return value if previous is None else previous + weight * (value - previous)
 
 
 def _delta(before: float | None, after: float | None) -> float | None:

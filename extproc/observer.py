@@ -182,6 +182,9 @@ class EngineObserver:
             prefix_hits=gauges.prefix_hits,
             prefix_queries=gauges.prefix_queries,
             preemptions=gauges.preemptions,
+            prompt_sum=gauges.prompt_sum,
+            prefill_time_sum=gauges.prefill_time_sum,
+            decode_time_sum=gauges.decode_time_sum,
         )
         self._log_capacity_source(engine, gauges)
         self._check_limit_drift(engine, gauges.running)

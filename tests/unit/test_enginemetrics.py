@@ -257,8 +257,32 @@ def test_the_generation_histogram_buckets_and_prefix_cache_counters_are_read() -
     assert got.generated_buckets is not None
     bounds = dict(got.generated_buckets)
     assert (bounds[2.0], bounds[5.0], bounds[50.0], bounds[500.0], bounds[float("inf")]) == (0, 1, 2, 3, 3)
-    # Present (the simulator's exposition does not count lookups yet: both stay 0), unlike the legacy engine's.
-    assert (got.prefix_hits, got.prefix_queries, got.preemptions) == (0, 0, 0)
+    # Each 64-token prompt looked up once; all three were scheduled in the same step, before any
+    # block of the shared 48-token prefix was cached, so none hit (as in vLLM).
+    assert (got.prefix_hits, got.prefix_queries, got.preemptions) == (0, 3 * 64, 0)
+    # The per-request sums behind the gate's direct prefill and decode rates.
+    assert got.prompt_sum == 3 * 64 and got.prefill_time_sum and got.decode_time_sum
+
+
+def test_the_simulator_counts_prefix_cache_hits_of_a_prompt_scheduled_after_its_prefix_was_cached() -> None:
+    from enginesim.metrics import EngineMetrics
+    from enginesim.scheduler import Scheduler, SchedulerConfig
+
+    config = SchedulerConfig(num_gpu_blocks=512, block_size=16)
+    sched = Scheduler(config, "vllm-0.33")
+    metrics = EngineMetrics("m", config, [0], process_collectors=False, profile="vllm-0.33")
+    now = 0.0
+    for i in range(2):  # the second arrives after the first has finished: its 48-token prefix is cached
+        sched.add_request(f"r{i}", prompt_tokens=64, max_tokens=2, arrival_time=now, prefix=("sys", 48))
+        for _ in range(100):
+            if not sched.has_unfinished:
+                break
+            step, out = sched.step(now)
+            metrics.record_step(0, step, out)
+            now = step.end_time
+    metrics.publish(0, sched.stats())
+    got = parse_engine_metrics(metrics.exposition().decode(), expect_capacity=True)
+    assert (got.prefix_queries, got.prefix_hits) == (2 * 64, 48)  # three full 16-token blocks of the prefix
 
 
 def test_prefix_cache_counters_are_optional() -> None:

@@ -192,3 +192,32 @@ def test_what_the_progress_estimate_misses_is_not_charged_twice() -> None:
                                 generated_sum=0.0), 5.0)
     second = gate.arrive(Ticket(model="m", arrived=5.0, tokens=80, generation=60), 5.0)
     assert (second.outcome, second.ticket.policy) == (Outcome.ADMITTED, "projected")
+
+
+def test_the_first_finished_request_gives_the_prefill_and_decode_rates_without_eight_busy_intervals() -> None:
+    """One request finishes between two scrapes: the engine's own per-request histograms (its prompt
+    tokens, prefill and decode seconds, generated tokens) price the next candidate at once, where the
+    KV-growth measurement (eight busy intervals with no finish) has nothing yet."""
+    gate = EngineGate(PROJECTED)
+    gate.observe(EngineSnapshot(1, 0, 0.1, 0.0, CAPACITY, BLOCK, generated_sum=0.0, generated_count=0.0,
+                                prompt_sum=0.0, prefill_time_sum=0.0, decode_time_sum=0.0), 0.0)
+    gate.observe(EngineSnapshot(0, 0, 0.0, 1.0, CAPACITY, BLOCK, generated_sum=41.0, generated_count=1.0,
+                                prompt_sum=200.0, prefill_time_sum=2.0, decode_time_sum=4.0), 1.0)
+    assert gate.throughput_bound() is None  # the KV-growth peak is still unmeasured
+    assert gate.prefill_rate() == 100.0  # 200 prompt tokens in 2 s of prefill
+    ticket = Ticket(model="m", arrived=1.0, tokens=100, generation=90)
+    assert gate.preemption_price(ticket) == 1.0  # 100 tokens of context at 100 tokens/s
+    assert gate.arrive(ticket, 1.0).ticket.policy == "projected"  # not "cold"
+    rebuilt = EngineGate.from_state(PROJECTED, json.loads(json.dumps(gate.to_state())))
+    assert rebuilt.prefill_rate() == 100.0 and rebuilt.to_state() == gate.to_state()
+
+
+def test_the_direct_rates_start_again_on_an_engine_of_another_capacity() -> None:
+    gate = EngineGate(PROJECTED)
+    gate.observe(EngineSnapshot(1, 0, 0.1, 0.0, CAPACITY, BLOCK, generated_sum=0.0, generated_count=0.0,
+                                prompt_sum=0.0, prefill_time_sum=0.0, decode_time_sum=0.0), 0.0)
+    gate.observe(EngineSnapshot(0, 0, 0.0, 1.0, CAPACITY, BLOCK, generated_sum=41.0, generated_count=1.0,
+                                prompt_sum=200.0, prefill_time_sum=2.0, decode_time_sum=4.0), 1.0)
+    gate.observe(EngineSnapshot(0, 0, 0.0, 2.0, 2 * CAPACITY, BLOCK, generated_sum=0.0, generated_count=0.0,
+                                prompt_sum=0.0, prefill_time_sum=0.0, decode_time_sum=0.0), 2.0)
+    assert gate.prefill_rate() is None
