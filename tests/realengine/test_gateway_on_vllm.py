@@ -83,9 +83,12 @@ def test_a_prompt_over_max_model_len_is_refused_at_once_as_vllm_would_and_never_
     # gets the engine's own answer from the gateway at once, and the engine sees no request.
     stack = gateway({"ADMISSION_TOKENIZE_ABOVE_BYTES": "1"})
     long = chat_body("The quick brown fox jumps over the lazy dog. " * 900, model=MODEL, max_tokens=4)
+    answered = engine.http_requests(CHAT)
     direct = post(engine.url + CHAT, long)  # what vLLM itself answers
     assert direct.status == 400
     assert "This model's maximum context length is 16384 tokens" in direct.json()["error"]["message"]
+    # its API server counts a request after answering it
+    wait_until(lambda: engine.http_requests(CHAT) == answered + 1, 30, "the engine counting the direct request")
     before = (engine.http_requests(CHAT), engine.value("vllm:prompt_tokens_total"))
     reply = post(stack.url + CHAT, long)
     assert reply.status == 400, reply.body
