@@ -145,7 +145,6 @@ def test_capacity_follows_an_engine_restart_with_another_geometry(own: OwnEngine
     own.current = own.current.restart(num_blocks=NEW_BLOCKS, block_size=NEW_BLOCK_SIZE, timeout=1200)
     stack.wait_state(lambda s: (s.get("snapshot") or {}).get("capacity_tokens") == NEW_BLOCKS * NEW_BLOCK_SIZE,
                      "the gateway reading the new engine's capacity", 120)
-    assert stack.engine_state()["capacity_tokens"] == NEW_BLOCKS * NEW_BLOCK_SIZE  # the gate's budget too
     engine = Engine(own.current.url)
     reply = post(stack.url + CHAT, big)
     assert reply.headers.get("x-admission-outcome") == "exceeds_kv_capacity", reply.body
