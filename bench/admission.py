@@ -63,7 +63,9 @@ GATED_MODES = ("reference", "full")  # the modes with an admission service
 POLICIES = ("strict", "projected")  # ADMISSION_POLICY (--policy): the service's admission policy
 ENGINES = ("vllm-0.33", "vllm-0.11")  # the simulator's profiles (enginesim --profile)
 REAL_ENGINE = "real"  # --engine real / --engine-url: the real vLLM (CPU build, `realengine`), wall clock
-REAL_MODES = ("none", "reference", "full")  # vllm-builtin would need the engine started with its own flag
+#: vllm-builtin: the engine runs with --max-num-queued-reqs (started so by --engine real; with
+#: --engine-url, started so by whoever started it: `python -m realengine PORT --max-num-queued-reqs N`)
+REAL_MODES = ("none", "vllm-builtin", "reference", "full")
 REAL_SAMPLE_INTERVAL_S = 0.5  # wall seconds between /metrics samples of the real engine
 REAL_IDLE_TIMEOUT_S = 180.0  # wall seconds the real engine may take to drain before and after a run
 DEFAULT_TIME_SCALE = 20.0
@@ -248,7 +250,7 @@ def vllm_readings(text: str) -> dict[str, Any]:
     """What a real vLLM's /metrics says, summed over its ranks: the gauges sampled during a run
     (running, waiting, KV usage as a fraction) and the counters differenced over it."""
     out: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0, "preemptions": 0.0, "prompt_tokens": 0.0,
-                           "generation_tokens": 0.0, "finished": {}, "kv_tokens": 0}
+                           "generation_tokens": 0.0, "finished": {}, "kv_tokens": 0, "admission_rejections": 0.0}
     ranks_kv: list[float] = []
     for name, labels, value in _metric_samples(text):
         if name == "vllm:num_requests_running":
@@ -263,6 +265,8 @@ def vllm_readings(text: str) -> dict[str, Any]:
             out["prompt_tokens"] += value
         elif name == "vllm:generation_tokens_total":
             out["generation_tokens"] += value
+        elif name == "vllm:admission_rejections_total":  # its own queue limits (vllm-builtin)
+            out["admission_rejections"] += value
         elif name == "vllm:request_success_total":
             reason = labels.get("finished_reason", "?")
             out["finished"][reason] = out["finished"].get(reason, 0.0) + value
@@ -298,7 +302,8 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     return {"preemptions": int(after["preemptions"] - before["preemptions"]),
             "prompt_tokens": int(after["prompt_tokens"] - before["prompt_tokens"]),
             "generation_tokens": int(after["generation_tokens"] - before["generation_tokens"]),
-            "finished": {r: n for r, n in finished.items() if n}, "kv_tokens": after.get("kv_tokens", 0)}
+            "finished": {r: n for r, n in finished.items() if n}, "kv_tokens": after.get("kv_tokens", 0),
+            "admission_rejections": int(after["admission_rejections"] - before["admission_rejections"])}
 
 
 @dataclass
@@ -1287,6 +1292,8 @@ def real_engine_report(counters: dict[str, Any], sampler: EngineSampler, t0: flo
         "engine_counter_generation_tokens": counters["generation_tokens"],
         "engine_generation_tokens_per_s": _r(counters["generation_tokens"] / wall, 1) if wall else None,
         "engine_finished": counters["finished"],
+        # requests the engine's own queue limits refused (vllm:admission_rejections_total; vllm-builtin)
+        "engine_admission_rejections": counters["admission_rejections"],
         "engine_sample_failures": sampler.failures,
         # samples read wholly while the load ran (the peaks can only come from these)
         "engine_samples_in_load": sampler.samples_within(t0, t0 + wall) if isinstance(sampler, VllmSampler) else None,
@@ -1328,7 +1335,8 @@ def render_run(result: dict[str, Any]) -> str:
     if "engine_counter_generation_tokens" in result:
         lines.append(f"engine counters over the run: prompt tokens {result['engine_counter_prompt_tokens']}, "
                      f"generated {result['engine_counter_generation_tokens']} "
-                     f"({result['engine_generation_tokens_per_s']} tok/s wall), finished {result['engine_finished']}; "
+                     f"({result['engine_generation_tokens_per_s']} tok/s wall), finished {result['engine_finished']}, "
+                     f"refused by its own queue limits {result['engine_admission_rejections']}; "
                      f"client: output {result['output_tokens_per_s']} tok/s over the makespan, "
                      f"wasted {result['wasted_tokens']} tokens")
     if result["mode"] in GATED_MODES:
@@ -1467,13 +1475,19 @@ def real_engine(cfg: BenchConfig, workdir: Path) -> Iterator[BenchConfig]:
         if cfg.progress:
             print(f"starting the real vLLM (CPU) in {workdir / 'vllm'}: 40-100 s, minutes on a busy machine",
                   file=sys.stderr, flush=True)
-        started = realengine.VllmEngine(workdir / "vllm")
+        # vllm-builtin: the engine's own admission, as the simulator's (`engine_args`)
+        extra = ("--max-num-queued-reqs", str(cfg.builtin_queued_reqs)) if cfg.mode == "vllm-builtin" else ()
+        started = realengine.VllmEngine(workdir / "vllm", extra_args=extra)
         try:
             started.start()
         except BaseException:
             print(started.log_tail(60), file=sys.stderr)
             raise
         cfg = dataclasses.replace(cfg, engine_url=started.url)
+    elif cfg.mode == "vllm-builtin" and cfg.progress:
+        print(f"vllm-builtin: the engine at {cfg.engine_url} must run with --max-num-queued-reqs "
+              f"{cfg.builtin_queued_reqs} (`python -m realengine PORT --max-num-queued-reqs "
+              f"{cfg.builtin_queued_reqs}`); engine_admission_rejections says what it refused", file=sys.stderr)
     try:
         assert cfg.engine_url is not None
         models, reason = engine_models(cfg.engine_url)
@@ -1578,8 +1592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.all:
             parser.error("--all is for the simulator; on a real engine run --mode none and --mode full one by one")
         if args.mode not in REAL_MODES:
-            parser.error(f"--mode {args.mode} is not available on a real engine (one of: {', '.join(REAL_MODES)}); "
-                         "vllm-builtin needs the engine started with --max-num-queued-reqs")
+            parser.error(f"--mode {args.mode} is not available on a real engine (one of: {', '.join(REAL_MODES)})")
         if args.replicas != 1 or args.shared or args.ledger != "local" or args.fault:
             parser.error("a real engine is driven through one replica (no --replicas, --shared, --ledger redis "
                          "or --fault)")

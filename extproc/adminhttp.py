@@ -62,6 +62,7 @@ OUTCOME_REASONS: dict[str, str] = {
     Outcome.PARK_TIMEOUT: "parked for the whole park cap",
     Outcome.EXPECTED_WAIT_TOO_LONG: "expected wait beyond the park cap",
     Outcome.EXCEEDS_KV_CAPACITY: "needs more KV than the engine has",
+    Outcome.CONTEXT_LENGTH_EXCEEDED: "longer than the model's max_model_len",
     Outcome.SHUTTING_DOWN: "the service was stopping",
     Outcome.CLIENT_GONE: "the client left while parked",
 }

@@ -70,6 +70,7 @@ class CostEstimate:
     sequences: int = 1
     source: str = "bytes"
     prompts: int = 1  # a completion batch's prompts: each generates its own allowance
+    exact: bool = False  # prompt_tokens is the engine's own count (extproc/contextlen.py acts on it)
 
     @property
     def tokens(self) -> int:
@@ -116,8 +117,10 @@ def estimate_from_bytes(facts: BodyFacts, bytes_per_token: float, safety_factor:
                         sequences=facts.sequences, source=source, prompts=facts.prompts)
 
 
-def estimate_counted(facts: BodyFacts, prompt_tokens: int, default_max_tokens: int, source: str) -> CostEstimate:
-    """A prompt counted exactly (by a tokenizer or the engine), with the body's generation and n."""
+def estimate_counted(facts: BodyFacts, prompt_tokens: int, default_max_tokens: int, source: str,
+                     exact: bool = False) -> CostEstimate:
+    """A prompt counted (by a tokenizer or the engine), with the body's generation and n; `exact`:
+    the count is the engine's own, not a tokenizer's with the template's framing approximated."""
     return CostEstimate(prompt_tokens=max(1, prompt_tokens),
                         generation_tokens=generation_allowance(facts, default_max_tokens),
-                        sequences=facts.sequences, source=source, prompts=facts.prompts)
+                        sequences=facts.sequences, source=source, prompts=facts.prompts, exact=exact)

@@ -14,6 +14,10 @@ vLLM serves more names than it had at startup (LoRA adapters loaded at runtime, 
 
 When two engines list the same name, the first engine in the configuration gets it (logged). A
 failed read keeps that engine's previous list.
+
+Each entry's `max_model_len` (vLLM lists the context limit per model) is kept with it:
+`max_model_len(model)` is what `extproc/contextlen.py` checks a request against (None: the
+engine does not say, and no length is refused).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ModelRegistry:
         self._configured: dict[str, EngineConfig] = dict(settings.model_to_engine)
         self._engines = [e for e in settings.engines if e.models]  # engines under admission
         self._served: dict[str, tuple[str, ...]] = {e.name: () for e in self._engines}
+        self._context: dict[str, dict[str, int]] = {e.name: {} for e in self._engines}  # engine -> model -> limit
         self._table: dict[str, EngineConfig] = dict(self._configured)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -52,6 +57,11 @@ class ModelRegistry:
 
     def engine_for(self, model: str) -> EngineConfig | None:
         return self._table.get(model)
+
+    def max_model_len(self, model: str) -> int | None:
+        """The context limit `model`'s engine lists for it on /v1/models (None: not listed)."""
+        engine = self._table.get(model)
+        return self._context.get(engine.name, {}).get(model) if engine is not None else None
 
     def known(self) -> list[str]:
         return sorted(self._table)
@@ -110,8 +120,14 @@ class ModelRegistry:
         results = await asyncio.gather(*(self._read(e) for e in self._engines))
         self._last_refresh = time.monotonic()
         changed = False
-        for engine, models in zip(self._engines, results, strict=True):
-            if models is not None and models != self._served[engine.name]:
+        for engine, result in zip(self._engines, results, strict=True):
+            if result is None:
+                continue
+            models, context = result
+            if context != self._context[engine.name]:
+                log.info("served context limits", extra={"engine": engine.name, "max_model_len": context})
+                self._context[engine.name] = context
+            if models != self._served[engine.name]:
                 added = sorted(set(models) - set(self._served[engine.name]))
                 removed = sorted(set(self._served[engine.name]) - set(models))
                 log.info("served models changed", extra={"engine": engine.name, "added": added, "removed": removed})
@@ -120,7 +136,7 @@ class ModelRegistry:
         if changed:
             self._rebuild()
 
-    async def _read(self, engine: EngineConfig) -> tuple[str, ...] | None:
+    async def _read(self, engine: EngineConfig) -> tuple[tuple[str, ...], dict[str, int]] | None:
         assert self._session is not None
         url = f"{engine.url}/v1/models"
         try:
@@ -128,12 +144,16 @@ class ModelRegistry:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
                 doc = await response.json(content_type=None)
-            names = tuple(sorted({str(m["id"]) for m in doc["data"] if isinstance(m, dict) and m.get("id")}))
+            entries = [m for m in doc["data"] if isinstance(m, dict) and m.get("id")]
+            names = tuple(sorted({str(m["id"]) for m in entries}))
+            context = {str(m["id"]): m["max_model_len"] for m in entries
+                       if isinstance(m.get("max_model_len"), int) and not isinstance(m["max_model_len"], bool)
+                       and m["max_model_len"] > 0}
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             log.warning("cannot list served models; keeping the previous list",
                         extra={"engine": engine.name, "url": url, "error": str(exc) or type(exc).__name__})
             return None
-        return names
+        return names, context
 
     def _rebuild(self) -> None:
         table = dict(self._configured)

@@ -29,6 +29,7 @@ class Outcome(enum.StrEnum):
     PARK_TIMEOUT = "park_timeout"
     EXPECTED_WAIT_TOO_LONG = "expected_wait_too_long"  # the park cap would run out first: say so now
     EXCEEDS_KV_CAPACITY = "exceeds_kv_capacity"  # needs more KV than the engine has at all
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the model's max_model_len refuses it (contextlen)
     SHUTTING_DOWN = "shutting_down"
     BODY_TOO_LARGE = "body_too_large"
     INVALID_BODY = "invalid_body"
@@ -88,6 +89,8 @@ REJECTIONS: dict[Outcome, Rejection] = {
         message="this request needs about {needed} tokens of KV cache (prompt ~{prompt_tokens} + up to "
                 "{generation_tokens} generated), more than engine `{engine}` holds in total ({capacity}); "
                 "shorten the prompt or lower max_tokens"),
+    # vLLM's own words for the refusal it would make (extproc/contextlen.py).
+    Outcome.CONTEXT_LENGTH_EXCEEDED: Rejection(400, "invalid_request_error", retry_after=False, message="{detail}"),
     Outcome.SHUTTING_DOWN: Rejection(
         503, "service_unavailable", retry_after=True, message="the admission service is shutting down; retry"),
     Outcome.BODY_TOO_LARGE: Rejection(

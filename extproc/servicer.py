@@ -55,6 +55,7 @@ from google.protobuf import duration_pb2
 from .admission import Admission
 from .classify import Gated, Passed, Rejected, Routed, classify_body, classify_headers, classify_route, route
 from .config import EngineConfig, Settings
+from .contextlen import LengthFacts, context_refusal, output_limit
 from .contract import (
     ENDPOINT_METADATA,
     EXT_PROC_ATTRIBUTES,
@@ -74,7 +75,7 @@ from .gate import Decision, Ticket
 from .metrics import Metrics
 from .models import ModelRegistry
 from .outcomes import REJECTIONS, Outcome, error_body, rejection_message
-from .tokencount import Estimator
+from .tokencount import CHAT, COUNTABLE, Estimator
 from .wire import base_pb2, http_status_pb2, pb, pb_grpc, processing_mode_pb2
 
 log = logging.getLogger("extproc.servicer")
@@ -255,6 +256,9 @@ class Conversation:
         s.cost = cost = await shared.estimator.estimate(engine, routed.endpoint, body.body, facts,
                                                         snap.prompt_tokens_total if snap else None,
                                                         snap.scrape_started if snap else None)
+        refusal = context_refusal(_length_facts(routed, body.body, cost), shared.models.max_model_len(facts.model))
+        if refusal is not None:  # the engine would refuse it without using KV: say so now, never forward it
+            return Rejected(Outcome.CONTEXT_LENGTH_EXCEEDED, refusal)
         decision = await shared.admission.arrive(engine.name, facts.model, cost.tokens, cost.generation_tokens,
                                                  facts.engine_requests)
         s.ticket = decision.ticket
@@ -413,6 +417,18 @@ def _route_path(context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.Proce
         if key == ENDPOINT_METADATA:
             return value if isinstance(value, str) else value.decode("utf-8", "replace")
     return None
+
+
+def _length_facts(routed: Routed, body: bytes, cost: CostEstimate) -> LengthFacts:
+    """What the context-length rules read from a routed request and its estimate."""
+    facts, path = routed.facts, routed.endpoint.path
+    limit, param = output_limit(path == CHAT, facts.max_tokens, facts.max_completion_tokens)
+    if path not in COUNTABLE:  # other endpoints name their limits otherwise: the engine decides
+        limit = None
+    return LengthFacts(prompt_tokens=cost.prompt_tokens, exact=cost.exact, prompts=cost.prompts,
+                       output_limit=limit, output_param=param,
+                       # the key anywhere in the body: vLLM may truncate instead of refusing; let it decide
+                       truncates=b'"truncate_prompt_tokens"' in body)
 
 
 def _gate_message(decision: Decision, engine: EngineConfig, cost: CostEstimate, admission: Admission) -> str:

@@ -132,6 +132,11 @@ class LocalTokenizer:
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a body the template cannot render
             raise CountError(f"cannot count this body: {exc}") from None
 
+    def exact(self, path: str) -> bool:
+        """Whether `count` is the engine's own count: a built-in vocabulary with its template, or a
+        Hugging Face tokenizer on a completion prompt (a chat's framing is approximated)."""
+        return self._builtin is not None or path != CHAT
+
     def _hf_count(self, text: str, special: bool = False) -> int:
         # encode_batch releases the GIL while it tokenizes (encode does not): the event loop runs on.
         return len(self._hf.encode_batch([text], add_special_tokens=special)[0].ids)
@@ -335,7 +340,8 @@ class Estimator:
                 loop = asyncio.get_running_loop()
                 tokens = await loop.run_in_executor(self._pool, self.tokenizer.count, endpoint.path, body)
                 self.calibration[engine.name].counted(facts, self.overhead, tokens)
-                return estimate_counted(facts, tokens, s.default_max_tokens, "tokenizer")
+                return estimate_counted(facts, tokens, s.default_max_tokens, "tokenizer",
+                                        exact=self.tokenizer.exact(endpoint.path))
             except CountError as exc:
                 log.debug("tokenizer could not count the prompt; bytes rule", extra={"detail": str(exc)})
         source = None
@@ -348,7 +354,7 @@ class Estimator:
             try:
                 tokens = await self._engine_count(engine, endpoint.path, body)
                 self.calibration[engine.name].counted(facts, self.overhead, tokens)
-                return estimate_counted(facts, tokens, s.default_max_tokens, "engine")
+                return estimate_counted(facts, tokens, s.default_max_tokens, "engine", exact=True)
             except CountError as exc:
                 source = "fallback"
                 log.info("the engine did not count the prompt; bytes rule", extra={"engine": engine.name,

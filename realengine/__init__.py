@@ -21,6 +21,7 @@ load on the machine), prefill ~15-20k tokens/s, decode ~290 tokens/s for one seq
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from devstack import CHECKOUT, Child, ChildExited, free_port, http_get, wait_until
 
@@ -134,6 +136,12 @@ class VllmEngine:
             raise
         return self
 
+    def restart(self, timeout: float = START_TIMEOUT_S, **changes: Any) -> VllmEngine:
+        """Stop this engine and start another on the same port, with `changes` to its geometry or
+        arguments (e.g. `num_blocks=256, block_size=64`): what an operator's redeploy does."""
+        self.stop()
+        return dataclasses.replace(self, child=None, **changes).start(timeout)
+
     def stop(self) -> None:
         if self.child is not None:
             self.child.stop(timeout=30.0)
@@ -144,11 +152,13 @@ class VllmEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m realengine [PORT]`: serve the tiny model in the foreground (Ctrl-C or SIGTERM stops it)."""
+    """`python -m realengine [PORT [VLLM_ARG...]]`: serve the tiny model in the foreground (Ctrl-C or
+    SIGTERM stops it); arguments after the port go to `vllm serve` as they are (e.g.
+    `--max-num-queued-reqs 13` for bench.admission's vllm-builtin mode)."""
     args = sys.argv[1:] if argv is None else argv
     # SIGTERM stops it as Ctrl-C does (a shell's background job ignores SIGINT: `kill %1` must do).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    engine = VllmEngine(CHECKOUT / "run" / "vllm", port=int(args[0]) if args else 8000)
+    engine = VllmEngine(CHECKOUT / "run" / "vllm", port=int(args[0]) if args else 8000, extra_args=tuple(args[1:]))
     print(f"realengine: starting vLLM (CPU) at {engine.url}; 40-100 s", flush=True)
     engine.start()
     print(f"realengine: serving {SERVED_NAME!r} at {engine.url}", flush=True)

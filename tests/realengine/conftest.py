@@ -77,6 +77,15 @@ class Engine:
                     values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return values
 
+    def http_requests(self, handler: str) -> float:
+        """Requests the engine's API server answered on `handler`, any status (its own
+        `http_requests_total`): whether anything reached the engine at all."""
+        status, body = http_get(f"{self.url}/metrics", timeout=10.0)
+        assert status == 200
+        return sum(sample.value for family in text_string_to_metric_families(body.decode())
+                   for sample in family.samples
+                   if sample.name == "http_requests_total" and sample.labels.get("handler") == handler)
+
     def value(self, name: str) -> float:
         return self.metrics().get(name, 0.0)
 

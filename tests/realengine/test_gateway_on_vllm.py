@@ -68,11 +68,43 @@ def test_a_request_the_whole_cache_cannot_hold_never_reaches_the_engine(gateway:
                                                                         engine: Engine) -> None:
     stack = gateway()
     before = engine.value("vllm:request_success_total") + engine.value("vllm:prompt_tokens_total")
-    # 30,000 tokens of generation: more than the 20,480 KV tokens the engine has
-    reply = post(stack.url + CHAT, chat_body("Hello", model=MODEL, max_tokens=30000))
+    # two sequences of up to 12,000 tokens each: more than the 20,480 KV tokens the engine has
+    # (each within the 16,384-token context, or the context rule would answer first)
+    reply = post(stack.url + CHAT, chat_body("Hello", model=MODEL, max_tokens=12000, n=2))
     assert reply.headers["x-admission-outcome"] == "exceeds_kv_capacity", reply.body
     assert reply.json()["error"]["code"] == "exceeds_kv_capacity"
     assert engine.value("vllm:request_success_total") + engine.value("vllm:prompt_tokens_total") == before
+
+
+def test_a_prompt_over_max_model_len_is_refused_at_once_as_vllm_would_and_never_reaches_it(
+        gateway: Callable[..., Stack], engine: Engine) -> None:
+    # ~18,000 tokens: over the 16,384-token context the engine lists on /v1/models, within its
+    # 20,480 KV tokens (so the KV budget admits it). Counted exactly by the engine's /tokenize, it
+    # gets the engine's own answer from the gateway at once, and the engine sees no request.
+    stack = gateway({"ADMISSION_TOKENIZE_ABOVE_BYTES": "1"})
+    long = chat_body("The quick brown fox jumps over the lazy dog. " * 900, model=MODEL, max_tokens=4)
+    answered = engine.http_requests(CHAT)
+    direct = post(engine.url + CHAT, long)  # what vLLM itself answers
+    assert direct.status == 400
+    assert "This model's maximum context length is 16384 tokens" in direct.json()["error"]["message"]
+    # its API server counts a request after answering it
+    wait_until(lambda: engine.http_requests(CHAT) == answered + 1, 30, "the engine counting the direct request")
+    before = (engine.http_requests(CHAT), engine.value("vllm:prompt_tokens_total"))
+    reply = post(stack.url + CHAT, long)
+    assert reply.status == 400, reply.body
+    assert reply.headers["x-admission-outcome"] == "context_length_exceeded"
+    message = reply.json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 16384 tokens. However, your prompt contains ")
+    count = int(message.split("contains ")[1].split()[0])
+    # the engine's exact count (not vLLM's "at least 16385"), within the KV cache
+    assert realengine.MAX_MODEL_LEN < count < realengine.NUM_BLOCKS * realengine.BLOCK_SIZE
+    short = chat_body("Hi", model=MODEL, max_tokens=17000)  # an output limit over the context: no count needed
+    reply = post(stack.url + CHAT, short)
+    assert reply.status == 400, reply.body
+    assert reply.json()["error"]["message"].startswith("max_tokens=17000 cannot be greater than max_model_len=16384.")
+    assert (engine.http_requests(CHAT), engine.value("vllm:prompt_tokens_total")) == before
+    assert stack.metric("admission_rejected_total", reason="context_length_exceeded") == 2
+    assert stack.engine_state()["inflight"] == 0
 
 
 def test_a_full_engine_parks_the_next_request_until_one_ends(gateway: Callable[..., Stack], engine: Engine) -> None:

@@ -92,3 +92,32 @@ def test_an_engine_that_cannot_list_its_models_keeps_the_previous_list() -> None
             await registry.stop()
 
     asyncio.run(scenario())
+
+
+def test_each_models_max_model_len_is_read_from_the_engines_list() -> None:
+    async def scenario() -> None:
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [
+                {"id": "base", "object": "model", "max_model_len": 16384},
+                {"id": "lora-1", "object": "model", "max_model_len": 4096},
+                {"id": "no-limit", "object": "model"},  # an engine that does not say
+                {"id": "odd", "object": "model", "max_model_len": "big"},  # nor this one, usably
+            ]})
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        settings = load_settings({"ENGINE_URL": f"http://127.0.0.1:{port}", "ADMISSION_OBSERVE_MODELS": "base"})
+        registry = ModelRegistry(settings)
+        try:
+            await registry.start()
+            assert [registry.max_model_len(m) for m in ("base", "lora-1", "no-limit", "odd", "unknown")] == [
+                16384, 4096, None, None, None]
+        finally:
+            await registry.stop()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
