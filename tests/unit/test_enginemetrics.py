@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from extproc.enginemetrics import MetricsFormatError, parse_engine_metrics
@@ -241,15 +243,20 @@ def _simulated_exposition(profile: str) -> str:
     metrics = EngineMetrics("m", config, [0], process_collectors=False, profile=profile)
     for i, length in enumerate((3, 30, 300)):
         sched.add_request(f"r{i}", prompt_tokens=64, max_tokens=length, arrival_time=0.0, prefix=("sys", 48))
-    now = 0.0
+    _run(sched, metrics, 0.0)
+    metrics.publish(0, sched.stats())
+    return metrics.exposition().decode()
+
+
+def _run(sched: Any, metrics: Any, now: float) -> float:
+    """Step the scheduler until it has nothing left, recording each step; the engine time after."""
     for _ in range(1000):
         if not sched.has_unfinished:
             break
         step, out = sched.step(now)
         metrics.record_step(0, step, out)
         now = step.end_time
-    metrics.publish(0, sched.stats())
-    return metrics.exposition().decode()
+    return now
 
 
 def test_the_generation_histogram_buckets_and_prefix_cache_counters_are_read() -> None:
@@ -274,12 +281,7 @@ def test_the_simulator_counts_prefix_cache_hits_of_a_prompt_scheduled_after_its_
     now = 0.0
     for i in range(2):  # the second arrives after the first has finished: its 48-token prefix is cached
         sched.add_request(f"r{i}", prompt_tokens=64, max_tokens=2, arrival_time=now, prefix=("sys", 48))
-        for _ in range(100):
-            if not sched.has_unfinished:
-                break
-            step, out = sched.step(now)
-            metrics.record_step(0, step, out)
-            now = step.end_time
+        now = _run(sched, metrics, now)
     metrics.publish(0, sched.stats())
     got = parse_engine_metrics(metrics.exposition().decode(), expect_capacity=True)
     assert (got.prefix_queries, got.prefix_hits) == (2 * 64, 48)  # three full 16-token blocks of the prefix

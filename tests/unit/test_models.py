@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -21,6 +22,11 @@ async def _engine(served: list[str], reads: list[float]) -> tuple[web.AppRunner,
         reads.append(time.monotonic())
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in served]})
 
+    return await _serve_models(models)
+
+
+async def _serve_models(models: Callable[[web.Request], Awaitable[web.Response]]) -> tuple[web.AppRunner, int]:
+    """A minimal engine answering /v1/models with `models`, on a free loopback port."""
     app = web.Application()
     app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
@@ -104,12 +110,7 @@ def test_each_models_max_model_len_is_read_from_the_engines_list() -> None:
                 {"id": "odd", "object": "model", "max_model_len": "big"},  # nor this one, usably
             ]})
 
-        app = web.Application()
-        app.router.add_get("/v1/models", models)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await _serve_models(models)
         settings = load_settings({"ENGINE_URL": f"http://127.0.0.1:{port}", "ADMISSION_OBSERVE_MODELS": "base"})
         registry = ModelRegistry(settings)
         try:
