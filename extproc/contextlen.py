@@ -6,7 +6,7 @@ cache is larger than the context (the real engine in the tests: 16,384 against 2
 tokens), so the gate used to admit it, maybe after a wait, and vLLM then refused it with a 400.
 
 What vLLM 0.32 refuses, read from its code (and checked on the real engine,
-tests/realengine/test_context_length.py), mirrored here exactly and no further:
+tests/realengine/test_gateway_on_vllm.py), mirrored here exactly and no further:
 
 - an output limit over the context: `TokenizeParams.__post_init__` (vllm/renderers/params.py)
   refuses `max_completion_tokens` (chat, when given) or else `max_tokens` greater than
