@@ -812,14 +812,20 @@ class EngineGate:
         others, peak = self._projected_others(), self.projected_peak(now)
         return None if others is None or peak is None else math.ceil(others) + peak
 
-    def _projected_fits(self, tickets: list[Ticket], now: float | None) -> bool:
+    def _projected_fits(self, tickets: list[Ticket], now: float | None, without_largest: bool = False) -> bool:
+        """Whether `tickets`, admitted now, keep others + the projected peak within the capacity;
+        `without_largest`: once the open request with the largest final holding has ended (the
+        projected twin of backfill's largest-reservation rule)."""
         capacity, snap = self.capacity_tokens, self._snapshot
         others = self._projected_others()
         if capacity is None or snap is None or others is None:
             return True
         when = snap.scrape_started if now is None else now
-        peak = self.projected_peak(when, tickets)
-        return peak is None or others + peak <= capacity
+        holdings = [self._holding(t, when) for t in self._projected_open()]
+        if without_largest and holdings:
+            holdings.remove(max(holdings, key=lambda h: h.requests * (h.held + h.remaining)))
+        holdings += [self._holding(t, when) for t in tickets]
+        return others + projected_peak(holdings, self.block_size) <= capacity
 
     def next_deadline(self) -> float | None:
         """The earliest park deadline (the queue is FIFO with one park cap, so it is the head's)."""
@@ -1115,8 +1121,7 @@ class EngineGate:
             return  # nothing finished, or the engine restarted (its counters went back)
         mean = total / count
         weight = min(1.0, count / GENERATION_WINDOW)
-        previous = self._generation_mean
-        self._generation_mean = mean if previous is None else previous + weight * (mean - previous)
+        self._generation_mean = _smooth(self._generation_mean, mean, weight)
 
     def _learn_lengths(self, before: EngineSnapshot | None, after: EngineSnapshot) -> None:
         """Fold what the engine did between two scrapes into the projected policy's models: the
@@ -1132,7 +1137,7 @@ class EngineGate:
         if hits is not None and queries:
             rate = min(1.0, hits / queries)
             weight = min(1.0, queries / (GENERATION_WINDOW * 1024))  # about a window of 1k-token prompts
-            self._hit_rate = rate if self._hit_rate is None else self._hit_rate + weight * (rate - self._hit_rate)
+            self._hit_rate = _smooth(self._hit_rate, rate, weight)
         preempted = _delta(before.preemptions, after.preemptions)
         self._preempted = preempted or 0.0
         self._learn_rates(before, after)
@@ -1369,22 +1374,10 @@ class EngineGate:
             return None
         if rule == "projected":
             # The head must still fit beside `ticket` once the open request projected to hold the most ends.
-            return rule if self._fits_without_largest([ticket, head], now) else None
+            return rule if self._projected_fits([ticket, head], now, without_largest=True) else None
         cost = self.cost(ticket)
         largest = max((t.reserved for t in self._inflight.values()), default=0)
         return rule if cost <= available and available - cost + largest >= self.cost(head) else None
-
-    def _fits_without_largest(self, tickets: list[Ticket], now: float) -> bool:
-        """Whether `tickets` fit the projection once the open request with the largest final
-        holding has ended (the projected twin of backfill's largest-reservation rule)."""
-        capacity, others = self.capacity_tokens, self._projected_others()
-        if capacity is None or others is None:
-            return True
-        holdings = [self._holding(t, now) for t in self._projected_open()]
-        if holdings:
-            holdings.remove(max(holdings, key=lambda h: h.requests * (h.held + h.remaining)))
-        holdings += [self._holding(t, now) for t in tickets]
-        return others + projected_peak(holdings, self.block_size) <= capacity
 
     def _release(self, now: float) -> list[Decision]:
         released: list[Decision] = []
