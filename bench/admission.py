@@ -672,16 +672,8 @@ def engine_preemptions(engine_url: str) -> int:
 def engine_totals(engine_url: str) -> dict[str, float]:
     """The engine's own `vllm:num_preemptions_total` and `vllm:prompt_tokens_total` (the prompt
     tokens of the requests it started, counted once each at their first token), summed over ranks."""
-    status, body = http_get(f"{engine_url}/metrics", timeout=5.0)
-    if status != 200:
-        raise RuntimeError(f"{engine_url}/metrics answered {status}")
-    out = {"preemptions": 0.0, "prompt_tokens": 0.0}
-    for name, _, value in _metric_samples(body.decode()):
-        if name == "vllm:num_preemptions_total":
-            out["preemptions"] += value
-        elif name == "vllm:prompt_tokens_total":
-            out["prompt_tokens"] += value
-    return out
+    readings = read_vllm(engine_url, timeout=5.0)
+    return {"preemptions": readings["preemptions"], "prompt_tokens": readings["prompt_tokens"]}
 
 
 # --- load ----------------------------------------------------------------------------------------
